@@ -1,0 +1,25 @@
+"""dflash_kernels: attention and linear-attention kernels with a thread-safe dispatch layer.
+
+Tensor layouts: ``[B, T, H, D]`` for attention and the gated delta rule; ``[B, D, T]`` for the causal
+conv1d (the layout of causal-conv1d's ``causal_conv1d_fn``).
+"""
+
+__version__ = "0.1.0"
+
+from dflash_kernels.runtime import (  # noqa: E402
+    BackendUnavailable,
+    KernelCacheMiss,
+    cache_info,
+    get_backend,
+    precompile,
+    reset_cache,
+    set_backend,
+    strict,
+)
+from dflash_kernels.runtime.backends import backends  # noqa: E402
+from dflash_kernels.ops.conv1d import causal_conv1d, causal_conv1d_update  # noqa: E402
+
+__all__ = [
+    "__version__", "BackendUnavailable", "KernelCacheMiss", "backends", "cache_info", "causal_conv1d",
+    "causal_conv1d_update", "get_backend", "precompile", "reset_cache", "set_backend", "strict",
+]

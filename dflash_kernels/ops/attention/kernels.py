@@ -1,0 +1,314 @@
+"""Triton kernels of block-sparse attention: forward, dq, dk/dv, and the backward's preprocess.
+
+Layout ``[B, T, H, D]``. A program's row tile is one query group of the mask (``BQ`` positions)
+times ``GH`` query heads of one GQA group, so all its rows share one key loop (the mask is the same
+for every head). Row ``r`` of the tile is position ``q0 + r // GH`` and head ``h0 + r % GH``;
+``BM >= BQ * GH`` is rounded up to a power of two >= 16 for ``tl.dot`` and the extra rows are dead.
+
+Within a segment ``[lo, hi)`` the key loop starts at ``lo`` and steps by ``BN``: tiles entirely
+inside the segment and left of the diagonal for the group's first row need no mask at all; only the
+ragged last tile(s) of a segment evaluate the mask element-wise (see ``mask.py``).
+
+Softmax runs in base 2: scores are multiplied by ``scale * log2(e)`` once so that ``exp2`` (one
+instruction) replaces ``exp``; the stored lse is converted back to the natural log.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _visible(t, kv, q0, lo, hi, shift, tile, tiles, BQ: tl.constexpr, TW: tl.constexpr,
+             HAS_TILES: tl.constexpr):
+    """Element-wise mask of rows ``t`` [BM] x keys ``kv`` [BN] for one segment (see mask.py)."""
+    vis = (kv[None, :] >= lo) & (kv[None, :] < hi) & (kv[None, :] <= t[:, None] + shift)
+    if HAS_TILES:
+        off = tile.to(tl.int64) * (BQ * TW) + (t - q0)[:, None] * TW + (kv - lo)[None, :]
+        bit = tl.load(tiles + off, mask=vis & (tile >= 0), other=1)
+        vis = vis & (bit != 0)
+    return vis
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, stop,
+               t, q0, lo, hi, shift, tile, tiles, qk_scale,
+               D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, TW: tl.constexpr,
+               HAS_TILES: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    for n in range(start, stop, BN):
+        kv = n + offs_n
+        k_ptrs = k_base + kv[None, :] * stride_kt + offs_d[:, None]  # [D, BN]: K^T
+        v_ptrs = v_base + kv[:, None] * stride_vt + offs_d[None, :]
+        if MASK:
+            kt = tl.load(k_ptrs, mask=(kv < hi)[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs)
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+        if MASK:
+            vis = _visible(t, kv, q0, lo, hi, shift, tile, tiles, BQ, TW, HAS_TILES)
+            s = tl.where(vis, s, float("-inf"))
+        # m_i starts finite (-1e30), so a fully masked tile gives p = 0 and alpha = 1, never NaN.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            vt = tl.load(v_ptrs, mask=(kv < hi)[:, None], other=0.0)
+        else:
+            vt = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _segment_bounds(seg, q0, BQ: tl.constexpr, BN: tl.constexpr, HAS_TILES: tl.constexpr):
+    """Load one segment; return it with the end of its unmasked tiles and the end of its keys."""
+    lo = tl.load(seg)
+    hi = tl.load(seg + 1)
+    shift = tl.load(seg + 2)
+    tile = tl.load(seg + 3)
+    stop = tl.minimum(hi, q0 + BQ + shift)  # keys right of every row's diagonal are never seen
+    full_stop = tl.minimum(hi, q0 + 1 + shift)  # keys every row of the group sees
+    n_full = tl.maximum(full_stop - lo, 0) // BN
+    if HAS_TILES:
+        n_full = tl.where(tile >= 0, 0, n_full)
+    return lo, hi, shift, tile, lo + n_full * BN, stop
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB"])
+def _attn_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
+                     Tq, Tk, NG, MS, MB, Hq, Hkv,
+                     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                     stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
+                     qk_scale,
+                     D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
+                     BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
+                     DOT_PREC: tl.constexpr, BN: tl.constexpr):
+    tl.static_assert(BM >= BQ * GH)
+    tl.static_assert(G % GH == 0)
+    NC: tl.constexpr = G // GH
+    pid_g = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // (Hkv * NC)
+    kvh = (pid_bh // NC) % Hkv
+    h0 = kvh * G + (pid_bh % NC) * GH
+    bm = b % MB
+    q0 = pid_g * BQ
+    r = tl.arange(0, BM)
+    t = q0 + r // GH
+    h = h0 + r % GH
+    row_ok = (r < BQ * GH) & (t < Tq)
+    offs_d = tl.arange(0, D)
+    b64 = b.to(tl.int64)
+    q_ptrs = q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    qt = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_base = k + b64 * stride_kb + kvh * stride_kh
+    v_base = v + b64 * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BM], -1.0e30, tl.float32)
+    l_i = tl.zeros([BM], tl.float32)
+    acc = tl.zeros([BM, D], tl.float32)
+    grp = bm.to(tl.int64) * NG + pid_g
+    n_seg = tl.load(seg_count + grp)
+    for s_i in range(n_seg):
+        seg = segments + (grp * MS + s_i) * 4
+        lo, hi, shift, tile, mid, stop = _segment_bounds(seg, q0, BQ, BN, HAS_TILES)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qt, k_base, v_base, stride_kt, stride_vt, lo, mid,
+                                   t, q0, lo, hi, shift, tile, tiles, qk_scale,
+                                   D, BQ, BN, TW, HAS_TILES, False, DOT_PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qt, k_base, v_base, stride_kt, stride_vt, mid, stop,
+                                   t, q0, lo, hi, shift, tile, tiles, qk_scale,
+                                   D, BQ, BN, TW, HAS_TILES, True, DOT_PREC)
+
+    seen = l_i > 0.0  # rows that see no key: output 0, lse -inf
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_ptrs = o + b64 * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(o.dtype.element_ty), mask=row_ok[:, None])
+    lse_val = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    tl.store(lse + (b64 * Hq + h) * Tq + t, lse_val, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["Tq"])
+def _attn_bwd_preprocess_kernel(o, do, delta, Tq, Hq, stride_ob, stride_ot, stride_oh,
+                                stride_dob, stride_dot, stride_doh,
+                                D: tl.constexpr, BT: tl.constexpr):
+    """delta[b, h, t] = sum_d o * do: the softmax backward's row term."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // Hq).to(tl.int64)
+    h = pid_bh % Hq
+    t = pid_t * BT + tl.arange(0, BT)
+    offs_d = tl.arange(0, D)
+    ok = (t < Tq)[:, None]
+    ov = tl.load(o + b * stride_ob + t[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=ok, other=0.0)
+    dov = tl.load(do + b * stride_dob + t[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(delta + (b * Hq + h) * Tq + t, tl.sum(ov.to(tl.float32) * dov.to(tl.float32), 1), mask=t < Tq)
+
+
+@triton.jit
+def _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb, stride_qt, stride_qh,
+               stride_dob, stride_dot, stride_doh, D: tl.constexpr):
+    """q, do [BM, D] and the row terms lse (base 2; +inf where the row sees nothing) and delta."""
+    offs_d = tl.arange(0, D)
+    qt = tl.load(q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    dot_ = tl.load(do + b64 * stride_dob + t[:, None] * stride_dot + h[:, None] * stride_doh + offs_d[None, :],
+                   mask=row_ok[:, None], other=0.0)
+    row = (b64 * Hq + h) * Tq + t
+    lse2 = tl.load(lse + row, mask=row_ok, other=float("inf")) * LOG2E
+    # lse = -inf (no key seen): +inf makes every p = exp2(s - lse) exactly 0 instead of inf.
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
+    dlt = tl.load(delta + row, mask=row_ok, other=0.0)
+    return qt, dot_, lse2, dlt
+
+
+@triton.jit
+def _dq_inner(dq, q, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start, stop,
+              t, q0, lo, hi, shift, tile, tiles, qk_scale,
+              D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, TW: tl.constexpr,
+              HAS_TILES: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    offs_n = tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    for n in range(start, stop, BN):
+        kv = n + offs_n
+        kT_ptrs = k_base + kv[None, :] * stride_kt + offs_d[:, None]
+        vT_ptrs = v_base + kv[None, :] * stride_vt + offs_d[:, None]
+        if MASK:
+            kT = tl.load(kT_ptrs, mask=(kv < hi)[None, :], other=0.0)
+            vT = tl.load(vT_ptrs, mask=(kv < hi)[None, :], other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            vT = tl.load(vT_ptrs)
+        s = tl.dot(q, kT, input_precision=DOT_PREC) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK:
+            vis = _visible(t, kv, q0, lo, hi, shift, tile, tiles, BQ, TW, HAS_TILES)
+            p = tl.where(vis, p, 0.0)
+        dp = tl.dot(do_, vT, input_precision=DOT_PREC)
+        ds = p * (dp - dlt[:, None])
+        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB"])
+def _attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
+                        Tq, Tk, NG, MS, MB, Hq, Hkv,
+                        stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+                        qk_scale, sm_scale,
+                        D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
+                        BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
+                        DOT_PREC: tl.constexpr, BN: tl.constexpr):
+    """dq for one row tile; dq has q's strides."""
+    NC: tl.constexpr = G // GH
+    pid_g = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // (Hkv * NC)
+    kvh = (pid_bh // NC) % Hkv
+    h0 = kvh * G + (pid_bh % NC) * GH
+    bm = b % MB
+    q0 = pid_g * BQ
+    r = tl.arange(0, BM)
+    t = q0 + r // GH
+    h = h0 + r % GH
+    row_ok = (r < BQ * GH) & (t < Tq)
+    b64 = b.to(tl.int64)
+    qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb, stride_qt,
+                                    stride_qh, stride_dob, stride_dot, stride_doh, D)
+    k_base = k + b64 * stride_kb + kvh * stride_kh
+    v_base = v + b64 * stride_vb + kvh * stride_vh
+    dqa = tl.zeros([BM, D], tl.float32)
+    grp = bm.to(tl.int64) * NG + pid_g
+    n_seg = tl.load(seg_count + grp)
+    for s_i in range(n_seg):
+        seg = segments + (grp * MS + s_i) * 4
+        lo, hi, shift, tile, mid, stop = _segment_bounds(seg, q0, BQ, BN, HAS_TILES)
+        dqa = _dq_inner(dqa, qt, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, lo, mid,
+                        t, q0, lo, hi, shift, tile, tiles, qk_scale, D, BQ, BN, TW, HAS_TILES, False, DOT_PREC)
+        dqa = _dq_inner(dqa, qt, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, mid, stop,
+                        t, q0, lo, hi, shift, tile, tiles, qk_scale, D, BQ, BN, TW, HAS_TILES, True, DOT_PREC)
+    offs_d = tl.arange(0, D)
+    dq_ptrs = dq + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
+    tl.store(dq_ptrs, (dqa * sm_scale).to(dq.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _dkdv_step(dk, dv, kt, vt, q, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile, tiles, qk_scale,
+               BQ: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr, MASK: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """Add one row tile's contribution to a key tile's dk, dv (transposed: keys are rows here)."""
+    sT = tl.dot(kt, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [BN, BM]
+    pT = tl.math.exp2(sT - lse2[None, :])
+    if MASK:
+        vis = _visible(t, kv, q0, lo, hi, shift, tile, tiles, BQ, TW, HAS_TILES)
+        pT = tl.where(tl.trans(vis), pT, 0.0)
+    dv += tl.dot(pT.to(do_.dtype), do_, input_precision=DOT_PREC)
+    dpT = tl.dot(vt, tl.trans(do_), input_precision=DOT_PREC)
+    dsT = pT * (dpT - dlt[None, :])
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB", "NKV"])
+def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_entries, tiles,
+                          Tq, Tk, NG, MS, MB, NKV, Hq, Hkv,
+                          stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                          stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
+                          qk_scale, sm_scale,
+                          D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
+                          BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
+                          DOT_PREC: tl.constexpr, BN: tl.constexpr):
+    """dk, dv of one BN-key tile of one kv head, summed over the row tiles that the reverse index lists
+    for it, in the index's fixed order (no atomics: deterministic). dk/dv have k's / v's strides."""
+    NC: tl.constexpr = G // GH
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hkv
+    kvh = pid_bh % Hkv
+    bm = b % MB
+    b64 = b.to(tl.int64)
+    n0 = pid_n * BN
+    kv = n0 + tl.arange(0, BN)
+    kv_ok = kv < Tk
+    offs_d = tl.arange(0, D)
+    kt = tl.load(k + b64 * stride_kb + kv[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                 mask=kv_ok[:, None], other=0.0)
+    vt = tl.load(v + b64 * stride_vb + kv[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                 mask=kv_ok[:, None], other=0.0)
+    dka = tl.zeros([BN, D], tl.float32)
+    dva = tl.zeros([BN, D], tl.float32)
+    r = tl.arange(0, BM)
+    key_tile = bm.to(tl.int64) * NKV + pid_n
+    e_start = tl.load(rev_offsets + key_tile)
+    e_stop = tl.load(rev_offsets + key_tile + 1)
+    for e in range(e_start, e_stop):
+        g = tl.load(rev_entries + 2 * e)
+        s_i = tl.load(rev_entries + 2 * e + 1)
+        seg = segments + ((bm.to(tl.int64) * NG + g) * MS + s_i) * 4
+        lo = tl.load(seg)
+        hi = tl.load(seg + 1)
+        shift = tl.load(seg + 2)
+        tile = tl.load(seg + 3)
+        q0 = g * BQ
+        full = (tile < 0) & (n0 >= lo) & (n0 + BN <= hi) & (n0 + BN - 1 <= q0 + shift)
+        t = q0 + r // GH
+        row_ok = (r < BQ * GH) & (t < Tq)
+        for c in tl.static_range(NC):
+            h = kvh * G + c * GH + r % GH
+            qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb,
+                                            stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, D)
+            if full:
+                dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
+                                      tiles, qk_scale, BQ, TW, HAS_TILES, False, DOT_PREC)
+            else:
+                dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
+                                      tiles, qk_scale, BQ, TW, HAS_TILES, True, DOT_PREC)
+    dk_ptrs = dk + b64 * stride_kb + kv[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
+    dv_ptrs = dv + b64 * stride_vb + kv[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
+    tl.store(dk_ptrs, (dka * sm_scale).to(dk.dtype.element_ty), mask=kv_ok[:, None])
+    tl.store(dv_ptrs, dva.to(dv.dtype.element_ty), mask=kv_ok[:, None])

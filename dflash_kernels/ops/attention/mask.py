@@ -1,0 +1,309 @@
+"""Block-level attention masks: a few key ranges per query group, never a dense ``[Tq, Tk]`` tensor.
+
+Queries are cut into groups of ``q_block`` consecutive positions (group ``g`` holds queries
+``[g * q_block, (g + 1) * q_block)``). Each group lists up to ``MS`` *segments*; a segment is four
+int32 ``(lo, hi, shift, tile)`` and query ``t`` of the group sees key ``kv`` through it iff
+
+    lo <= kv < hi  and  kv <= t + shift  and  (tile < 0 or tiles[tile, t - g * q_block, kv - lo])
+
+A query sees the union of its group's segments; segments of one group never overlap. With that:
+
+- DFlash: group = one draft block; segment 0 is the context ``[lo, anchor)``, segment 1 the block's
+  own keys; ``shift`` is huge (no diagonal), so every row of a group sees the same keys and the
+  kernels mask only the ragged last tile of each segment.
+- causal: one segment ``[0, q0 + q_block)`` with ``shift = 0``: only tiles crossing the diagonal
+  are masked element-wise.
+- arbitrary masks (from flex's ``BlockMask``): one segment per kv block; a partially visible block
+  carries a ``[q_block, tile_width]`` boolean tile evaluated once from the ``mask_mod``.
+
+All rows of a group see the same segments, so a kernel tile of ``q_block`` positions times the query
+heads of one GQA group runs one key loop. The backward's dk/dv kernel needs the transpose: for each
+``kv_tile``-wide key tile, the ``(group, segment)`` pairs that reach it (``rev_offsets`` /
+``rev_entries``, a CSR index sorted by group so the dk/dv sums are deterministic). Everything is
+built with tensor ops on the masks' device in time proportional to the number of segments plus
+visited tiles; the one host synchronisation is the size of that index.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["BlockSparseMask", "dflash_block_mask", "causal_block_mask", "from_flex_block_mask", "NO_DIAGONAL"]
+
+# `shift` for segments without a diagonal: larger than any position, small enough that
+# `q0 + q_block + shift` cannot overflow int32 in the kernels.
+NO_DIAGONAL = 1 << 30
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSparseMask:
+    """A block-sparse mask for :func:`dflash_kernels.block_sparse_attention`.
+
+    Build it with :func:`dflash_block_mask`, :func:`causal_block_mask` or :func:`from_flex_block_mask`.
+    A mask with batch size 1 applies to every batch element.
+    """
+
+    segments: torch.Tensor  # int32 [MB, NG, MS, 4]: (lo, hi, shift, tile) per segment, see module doc
+    seg_count: torch.Tensor  # int32 [MB, NG]: live segments of each group (the first seg_count)
+    tiles: torch.Tensor  # uint8 [NT, q_block, tile_width]: element masks of partial blocks (NT may be 0)
+    rev_offsets: torch.Tensor  # int32 [MB * NKV + 1]: CSR offsets of key tile (b, n) into rev_entries
+    rev_entries: torch.Tensor  # int32 [E, 2]: (group, segment) reaching each key tile, by group
+    q_len: int  # Tq: query positions covered
+    kv_len: int  # Tk: key positions covered
+    q_block: int  # positions per query group
+    kv_tile: int  # key tile width of the reverse index (the dk/dv kernel's BN)
+    tile_width: int  # width of `tiles` (the flex kv block size; 1 when there are none)
+
+    @property
+    def batch_size(self) -> int:
+        return self.segments.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return self.segments.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.segments.device
+
+    def to(self, device) -> "BlockSparseMask":
+        move = {f: getattr(self, f).to(device) for f in
+                ("segments", "seg_count", "tiles", "rev_offsets", "rev_entries")}
+        return BlockSparseMask(**move, q_len=self.q_len, kv_len=self.kv_len, q_block=self.q_block,
+                               kv_tile=self.kv_tile, tile_width=self.tile_width)
+
+    def visible_pairs(self) -> torch.Tensor:
+        """Number of visible (query, key) pairs per batch element of the mask, int64 ``[MB]``.
+
+        Counts with the tiles and diagonals, without a dense mask; used for effective FLOPs.
+        """
+        seg = self.segments.long()
+        lo, hi, shift, tile = seg.unbind(-1)
+        MB, NG, MS = lo.shape
+        live = torch.arange(MS, device=lo.device) < self.seg_count.long()[..., None]
+        q0 = torch.arange(NG, device=lo.device)[None, :, None] * self.q_block
+        total = torch.zeros(MB, dtype=torch.long, device=lo.device)
+        for r in range(self.q_block):  # per row of a group: a loop of q_block, not of blocks
+            t = q0 + r
+            cnt = (torch.minimum(hi, t + shift + 1) - lo).clamp_min(0)
+            ok = live & (t < self.q_len) & (tile < 0)
+            total += torch.where(ok, cnt, 0).sum((1, 2))
+        if self.tiles.shape[0]:
+            per_tile = self.tiles.reshape(self.tiles.shape[0], -1).long().sum(1)
+            with_tile = live & (tile >= 0)
+            total += torch.where(with_tile, per_tile[tile.clamp_min(0)], 0).sum((1, 2))
+        return total
+
+
+def _check_int(name, value, low):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name}: must be >= {low}, got {value}")
+
+
+def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile):
+    """CSR of the (group, segment) pairs whose keys fall in each ``kv_tile``-wide key tile."""
+    dev = segments.device
+    MB, NG, MS, _ = segments.shape
+    NKV = -(-kv_len // kv_tile)
+    lo, hi, shift, _ = segments.long().unbind(-1)
+    q_last = torch.clamp(torch.arange(NG, device=dev) * q_block + q_block, max=q_len)[None, :, None] - 1
+    hi_eff = torch.minimum(hi, q_last + shift + 1)  # the diagonal cuts keys no row of the group sees
+    live = (torch.arange(MS, device=dev) < seg_count.long()[..., None]) & (hi_eff > lo)
+    first = lo // kv_tile
+    n = torch.where(live, (hi_eff - 1) // kv_tile - first + 1, 0).flatten()
+    src = torch.repeat_interleave(torch.arange(n.numel(), device=dev), n)  # synchronises once
+    start = torch.cumsum(n, 0) - n
+    tile = first.flatten()[src] + torch.arange(src.numel(), device=dev) - start[src]
+    b, gs = src // (NG * MS), src % (NG * MS)
+    key = b * NKV + tile
+    # `src` ascends with (b, group, segment); a stable sort keeps that order inside a key tile, so the
+    # dk/dv kernel sums groups in a fixed order: deterministic gradients without atomics.
+    key, order = torch.sort(key, stable=True)
+    gs = gs[order]
+    entries = torch.stack([gs // MS, gs % MS], 1).to(torch.int32).contiguous()
+    counts = torch.bincount(key, minlength=MB * NKV)
+    offsets = torch.zeros(MB * NKV + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return offsets, entries
+
+
+def _finish(segments, seg_count, tiles, q_len, kv_len, q_block, kv_tile, tile_width):
+    segments = segments.to(torch.int32).contiguous()
+    seg_count = seg_count.to(torch.int32).contiguous()
+    offsets, entries = _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile)
+    return BlockSparseMask(segments, seg_count, tiles.contiguous(), offsets, entries, q_len=q_len,
+                           kv_len=kv_len, q_block=q_block, kv_tile=kv_tile, tile_width=tile_width)
+
+
+def _no_tiles(q_block, device):
+    return torch.zeros(0, q_block, 1, dtype=torch.uint8, device=device)
+
+
+def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=None, kv_tile=64):
+    """The DFlash training mask: each draft block sees the context before its anchor and itself.
+
+    Keys are laid out ``[context (S) | block_0 | ... | block_{N-1}]`` (``Tk = S + N * block_size``),
+    queries ``[block_0 | ... | block_{N-1}]`` (``Tq = N * block_size``). Query block ``i`` sees
+    context keys ``kv < anchors[b, i]`` (strict: the anchor's own state is not available at
+    inference) and the ``block_size`` keys of its own block, bidirectionally; no other block.
+
+    Args:
+        anchors: int32/int64 ``[B, N]``, each in ``[0, S - 1]`` where ``valid`` is True; an anchor of
+            0 sees no context (only its own block). Anchors of invalid blocks are ignored (any value).
+        context_len: S, the number of context keys (>= 1).
+        block_size: queries (and own keys) per draft block.
+        window: if given, context is limited to ``anchor - window <= kv < anchor``.
+        valid: optional bool ``[B, N]``; blocks with False (padding) see nothing: their output and
+            gradients are 0 and their lse is -inf.
+        kv_tile: key tile width of the backward's reverse index (the dk/dv kernel's BN).
+
+    Raises TypeError/ValueError naming the argument for bad dtypes, shapes or anchor values. The
+    range check reads one scalar back from the device.
+    """
+    if not isinstance(anchors, torch.Tensor):
+        raise TypeError(f"anchors: expected a tensor, got {type(anchors).__name__}")
+    if anchors.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"anchors: dtype {anchors.dtype} is not supported; expected torch.int32 or torch.int64")
+    if anchors.dim() != 2 or anchors.shape[1] == 0 or anchors.shape[0] == 0:
+        raise ValueError(f"anchors: expected shape [B, N] with B, N >= 1, got {tuple(anchors.shape)}")
+    _check_int("context_len", context_len, 1)
+    _check_int("block_size", block_size, 1)
+    _check_int("kv_tile", kv_tile, 16)
+    if kv_tile & (kv_tile - 1):
+        raise ValueError(f"kv_tile: must be a power of two, got {kv_tile}")
+    if window is not None:
+        _check_int("window", window, 1)
+    B, N = anchors.shape
+    dev = anchors.device
+    if valid is not None:
+        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
+            raise TypeError(f"valid: expected a bool tensor, got "
+                            f"{valid.dtype if isinstance(valid, torch.Tensor) else type(valid).__name__}")
+        if tuple(valid.shape) != (B, N):
+            raise ValueError(f"valid: expected shape {(B, N)} like anchors, got {tuple(valid.shape)}")
+        if valid.device != dev:
+            raise ValueError(f"valid: is on {valid.device} but anchors is on {dev}")
+    a = anchors.long()
+    bad = (a < 0) | (a >= context_len)
+    if valid is not None:
+        bad &= valid
+    if bool(bad.any()):
+        idx = torch.nonzero(bad)[0].tolist()
+        raise ValueError(f"anchors: every valid anchor must be in [0, context_len - 1] = [0, {context_len - 1}]; "
+                         f"got anchors[{idx[0]}, {idx[1]}] = {int(a[idx[0], idx[1]])}")
+    a = a.clamp(0, context_len - 1)  # ignored anchors of invalid blocks
+    lo = torch.zeros_like(a) if window is None else (a - window).clamp_min(0)
+    own = context_len + torch.arange(N, device=dev) * block_size
+    segments = torch.stack([
+        torch.stack([lo, a], -1),
+        torch.stack([own, own + block_size], -1).expand(B, N, 2),
+    ], 2)  # [B, N, 2, 2]
+    extra = torch.tensor([NO_DIAGONAL, -1], device=dev).expand(B, N, 2, 2)
+    segments = torch.cat([segments, extra], -1)
+    seg_count = torch.full((B, N), 2, device=dev, dtype=torch.int32)
+    if valid is not None:
+        seg_count = torch.where(valid, seg_count, 0)
+    return _finish(segments, seg_count, _no_tiles(block_size, dev), N * block_size,
+                   context_len + N * block_size, block_size, kv_tile, 1)
+
+
+def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
+    """Causal attention, top-left aligned like ``F.scaled_dot_product_attention(is_causal=True)``:
+    query ``t`` sees keys ``kv <= t`` (and all keys when ``t >= kv_len``). Applies to every batch element.
+
+    Args:
+        q_len: Tq. kv_len: Tk (default Tq). q_block: positions per query group (kernel tile rows are
+        ``q_block`` times the heads packed per tile). kv_tile: the backward's key tile width.
+        device: where the structure lives (that of the attention inputs).
+    """
+    _check_int("q_len", q_len, 1)
+    kv_len = q_len if kv_len is None else kv_len
+    _check_int("kv_len", kv_len, 1)
+    _check_int("q_block", q_block, 1)
+    _check_int("kv_tile", kv_tile, 16)
+    if kv_tile & (kv_tile - 1):
+        raise ValueError(f"kv_tile: must be a power of two, got {kv_tile}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    NG = -(-q_len // q_block)
+    q0 = torch.arange(NG, device=dev) * q_block
+    hi = torch.clamp(q0 + q_block, max=kv_len)
+    segments = torch.stack([torch.zeros_like(q0), hi, torch.zeros_like(q0), torch.full_like(q0, -1)], -1)
+    segments = segments[None, :, None, :]
+    seg_count = torch.ones(1, NG, device=dev, dtype=torch.int32)
+    return _finish(segments, seg_count, _no_tiles(q_block, dev), q_len, kv_len, q_block, kv_tile, 1)
+
+
+def from_flex_block_mask(block_mask, kv_tile=64):
+    """Convert a ``torch.nn.attention.flex_attention.BlockMask`` into a :class:`BlockSparseMask`.
+
+    Full kv blocks (``full_kv_num_blocks`` / ``full_kv_indices``) become plain segments; each partial
+    block (``kv_num_blocks`` / ``kv_indices``) is evaluated once with the mask's ``mask_mod`` on its
+    ``Q_BLOCK x KV_BLOCK`` elements (a boolean tile kept beside the segments), so any ``mask_mod``
+    works, at a memory cost of one byte per element of the partial blocks only.
+
+    Limits:
+        - the mask must not depend on the head: the BlockMask's head dimension must be 1 (build it
+          with ``H=None``); per-head masks raise ValueError.
+        - ``mask_mod`` is called once, on broadcastable index tensors ``b [P,1,1]``, ``h [P,1,1]``,
+          ``q_idx [P,Q_BLOCK,1]``, ``kv_idx [P,1,KV_BLOCK]`` (not under vmap): it must be written
+          with element-wise tensor ops and tensor indexing, as flex's own examples are.
+        - a mask's batch size of 1 applies to every batch element; otherwise it must equal B.
+        - positions beyond the BlockMask's ``seq_lengths`` are never visible.
+        - speed: each kv block is one segment, so a mask with long runs of full blocks loops over
+          them one block at a time (still no element masking on full blocks).
+    """
+    kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
+    if kv_num is None or kv_idx is None:
+        raise ValueError("block_mask: has no kv_num_blocks / kv_indices")
+    if kv_num.shape[1] != 1:
+        raise ValueError(f"block_mask: head-dependent masks are not supported (head dimension "
+                         f"{kv_num.shape[1]}); build the BlockMask with H=None")
+    QB, KB = block_mask.BLOCK_SIZE
+    q_len, kv_len = block_mask.seq_lengths
+    dev = kv_num.device
+    MB, _, NQB = kv_num.shape
+    full_num, full_idx = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    if full_num is None:
+        full_num = torch.zeros_like(kv_num)
+        full_idx = kv_idx[..., :0]
+    kv_num, kv_idx = kv_num[:, 0].long(), kv_idx[:, 0].long()
+    full_num, full_idx = full_num[:, 0].long(), full_idx[:, 0].long()
+    NG = -(-q_len // QB)
+    kv_num, kv_idx, full_num, full_idx = kv_num[:, :NG], kv_idx[:, :NG], full_num[:, :NG], full_idx[:, :NG]
+    MS = max(1, int((kv_num + full_num).max()))
+
+    # Evaluate mask_mod on every listed partial block, in one batched call.
+    MP = kv_idx.shape[-1]
+    is_part = torch.arange(MP, device=dev) < kv_num[..., None]  # [MB, NG, MP]
+    pb, pg, pj = torch.nonzero(is_part, as_tuple=True)
+    P = pb.numel()
+    pk = kv_idx[pb, pg, pj]
+    q_pos = (pg * QB)[:, None, None] + torch.arange(QB, device=dev)[None, :, None]
+    kv_pos = (pk * KB)[:, None, None] + torch.arange(KB, device=dev)[None, None, :]
+    if P:
+        values = block_mask.mask_mod(pb[:, None, None], torch.zeros_like(pb)[:, None, None], q_pos, kv_pos)
+        values = torch.as_tensor(values, device=dev).expand(P, QB, KB)
+        values = values & (q_pos < q_len) & (kv_pos < kv_len)
+    else:
+        values = torch.zeros(0, QB, KB, dtype=torch.bool, device=dev)
+    tiles = values.to(torch.uint8)
+
+    # Segments: full blocks first, then partial blocks with their tile index.
+    MF = full_idx.shape[-1]
+    fcols = torch.arange(MF, device=dev)
+    f_live = fcols < full_num[..., None]
+    tile_id = torch.full(kv_idx.shape, -1, dtype=torch.long, device=dev)
+    tile_id[pb, pg, pj] = torch.arange(P, device=dev)
+    blocks = torch.cat([torch.where(f_live, full_idx, 0), kv_idx], -1)
+    slot = torch.cat([torch.where(f_live, fcols, MS + MP), full_num[..., None] + torch.arange(MP, device=dev)], -1)
+    slot = torch.where(torch.cat([f_live, is_part], -1), slot, MS + MP)  # dead entries to a trash slot
+    tid = torch.cat([torch.full_like(full_idx, -1), tile_id], -1)
+    lo = blocks * KB
+    seg_all = torch.stack([lo, torch.clamp(lo + KB, max=kv_len), torch.full_like(lo, NO_DIAGONAL), tid], -1)
+    segments = torch.zeros(MB, NG, MS + MP + 1, 4, dtype=torch.long, device=dev)
+    segments.scatter_(2, slot[..., None].expand(-1, -1, -1, 4), seg_all)
+    segments = segments[:, :, :MS]
+    seg_count = full_num + kv_num
+    return _finish(segments, seg_count, tiles, q_len, kv_len, QB, kv_tile, KB)

@@ -1,0 +1,78 @@
+"""Dense fp32 reference for block-sparse attention: materialize the mask, call PyTorch SDPA.
+
+Slow and memory-hungry on purpose (it is what the kernels are checked against); never imported by
+the fast path.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dflash_kernels.ops.attention.mask import BlockSparseMask
+
+__all__ = ["dense_mask", "sdpa_dense", "DEFAULT_MEMORY_BUDGET"]
+
+DEFAULT_MEMORY_BUDGET = 4 << 30  # bytes
+
+
+def dense_mask(mask: BlockSparseMask) -> torch.Tensor:
+    """The boolean ``[MB, Tq, Tk]`` matrix that ``mask`` describes (True = visible)."""
+    seg = mask.segments.long()
+    MB, NG, MS, _ = seg.shape
+    dev = seg.device
+    t = torch.arange(mask.q_len, device=dev)
+    kv = torch.arange(mask.kv_len, device=dev)[None, None, :]
+    g = t // mask.q_block
+    r = (t - g * mask.q_block)[None, :, None]
+    out = torch.zeros(MB, mask.q_len, mask.kv_len, dtype=torch.bool, device=dev)
+    for s in range(MS):
+        lo, hi, shift, tile = (x[:, :, None] for x in seg[:, g, s].unbind(-1))  # [MB, Tq, 1]
+        live = (mask.seg_count.long()[:, g] > s)[..., None]
+        vis = live & (kv >= lo) & (kv < hi) & (kv <= t[None, :, None] + shift)
+        if mask.tiles.shape[0]:
+            col = (kv - lo).clamp(0, mask.tile_width - 1)
+            bits = mask.tiles[tile.clamp_min(0), r, col].bool()
+            vis &= (tile < 0) | bits
+        out |= vis
+    return out
+
+
+def sdpa_dense(q, k, v, mask: BlockSparseMask, scale=None, return_lse=False,
+               memory_budget=DEFAULT_MEMORY_BUDGET):
+    """Block-sparse attention the slow way: dense mask + ``F.scaled_dot_product_attention`` in fp32.
+
+    Args:
+        q: ``[B, Tq, Hq, D]``; k, v: ``[B, Tk, Hkv, D]`` with Hq a multiple of Hkv.
+        mask: a :class:`BlockSparseMask` with batch size 1 or B.
+        scale: softmax scale (default ``1 / sqrt(D)``).
+        return_lse: also return the log-sum-exp ``[B, Hq, Tq]`` (fp32, -inf for rows seeing no key).
+        memory_budget: bytes the dense mask, scores and fp32 copies may take; above it a ValueError
+            is raised before anything large is allocated.
+
+    Returns the output ``[B, Tq, Hq, D]`` in q's dtype (rows that see no key are 0), and the lse.
+    Differentiable through PyTorch autograd.
+    """
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    need = (mask.batch_size * Tq * Tk  # bool mask
+            + 3 * 4 * B * Hq * Tq * Tk  # fp32 scores, probabilities and one temporary
+            + 4 * (2 * B * Tq * Hq * D + 2 * B * Tk * Hq * D))  # fp32 q, o and GQA-expanded k, v
+    if need > memory_budget:
+        raise ValueError(f"memory_budget: sdpa_dense needs about {need / 2**30:.2f} GiB for B={B}, Tq={Tq}, "
+                         f"Tk={Tk}, Hq={Hq}, D={D}, over the budget of {memory_budget / 2**30:.2f} GiB; "
+                         f"use smaller shapes or pass a larger memory_budget")
+    vis = dense_mask(mask).expand(B, -1, -1)[:, None]  # [B, 1, Tq, Tk]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
+    seen = vis.any(-1, keepdim=True)  # rows with no key: SDPA would give NaN
+    attn_mask = vis | ~seen
+    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=attn_mask, scale=scale)
+    o = torch.where(seen, o, 0.0).transpose(1, 2).to(q.dtype)
+    if not return_lse:
+        return o
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
+    lse = torch.logsumexp(scores.masked_fill(~vis, float("-inf")), -1)
+    return o, lse

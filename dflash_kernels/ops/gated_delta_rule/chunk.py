@@ -1,0 +1,360 @@
+"""Chunked gated delta rule: host launchers, the custom ops with their autograd, the public function.
+
+Three tiers above the kernels of ``kernels_fwd.py`` / ``kernels_bwd.py``:
+- launchers ``chunk_gated_delta_rule_fwd`` / ``chunk_gated_delta_rule_bwd`` (allocate, grid, launch),
+- ``torch.library`` custom ops ``dflash_kernels::gdn_chunk_fwd`` / ``gdn_chunk_bwd`` (fake + autograd),
+- ``chunk_gated_delta_rule``: fla's signature, argument checks, backend choice.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+
+from dflash_kernels.ops.gated_delta_rule.kernels_bwd import _gdn_bwd_local_kernel, _gdn_bwd_state_kernel
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_output_kernel, _gdn_fwd_prep_kernel,
+                                                             _gdn_fwd_state_kernel)
+from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import _l2norm_bwd_kernel, _l2norm_fwd_kernel
+from dflash_kernels.runtime import Config, TritonKernel, register_op, register_precompile, resolve
+from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
+
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd"]
+
+OP = "gdn"
+BT = 64  # chunk length: fixed, the per-chunk buffers (states, A) are laid out by it
+MAX_HEAD_DIM = 256
+L2NORM_EPS = 1e-6
+
+register_op(OP, peers={"fla": "fla.ops.gated_delta_rule"})
+
+_l2norm_fwd = TritonKernel(_l2norm_fwd_kernel, name="gdn_l2norm_fwd",
+                           configs=[Config(BR=16, num_warps=4), Config(BR=32, num_warps=8)],
+                           interpret_config=Config(BR=16))
+_l2norm_bwd = TritonKernel(_l2norm_bwd_kernel, name="gdn_l2norm_bwd",
+                           configs=[Config(BR=16, num_warps=4), Config(BR=32, num_warps=8)],
+                           interpret_config=Config(BR=16))
+_fwd_prep = TritonKernel(_gdn_fwd_prep_kernel, name="gdn_fwd_prep",
+                         configs=[Config(BV=64, num_warps=4), Config(BV=32, num_warps=4),
+                                  Config(BV=64, num_warps=8)],
+                         interpret_config=Config(BV=16))
+_fwd_state = TritonKernel(_gdn_fwd_state_kernel, name="gdn_fwd_state",
+                          configs=[Config(BV=64, num_warps=4, num_stages=2), Config(BV=32, num_warps=4, num_stages=2),
+                                   Config(BV=64, num_warps=8, num_stages=2), Config(BV=16, num_warps=4, num_stages=2)],
+                          interpret_config=Config(BV=16))
+_fwd_output = TritonKernel(_gdn_fwd_output_kernel, name="gdn_fwd_output",
+                           configs=[Config(BV=64, num_warps=4), Config(BV=128, num_warps=8),
+                                    Config(BV=32, num_warps=4)],
+                           interpret_config=Config(BV=16))
+_bwd_state = TritonKernel(_gdn_bwd_state_kernel, name="gdn_bwd_state",
+                          configs=[Config(BV=64, num_warps=4), Config(BV=32, num_warps=4),
+                                   Config(BV=64, num_warps=8), Config(BV=16, num_warps=4)],
+                          interpret_config=Config(BV=16))
+_bwd_local = TritonKernel(_gdn_bwd_local_kernel, name="gdn_bwd_local",
+                          configs=[Config(BV=32, num_warps=8), Config(BV=64, num_warps=8),
+                                   Config(BV=32, num_warps=4)],
+                          interpret_config=Config(BV=16))
+
+
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _bucket(rows: int) -> tuple:
+    return (triton.next_power_of_2(max(rows, 1)),)
+
+
+def _varlen_layout(cu_seqlens, B, T, device):
+    """(N, total chunks, cu_seqlens int32, chunk_indices [chunks, 2] int32, chunk_offsets [N+1] int32)."""
+    if cu_seqlens is None:
+        return B, B * triton.cdiv(T, BT), None, None, None
+    bounds = cu_seqlens.to("cpu", torch.int64)  # one sync per call, as fla's prepare_chunk_indices
+    counts = (bounds[1:] - bounds[:-1] + BT - 1) // BT
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.int64)
+    offsets[1:] = counts.cumsum(0)
+    n_chunks = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    within = torch.arange(n_chunks) - offsets[:-1].repeat_interleave(counts)
+    indices = torch.stack([seq, within], 1).to(device=device, dtype=torch.int32)
+    return (len(counts), n_chunks, bounds.to(device=device, dtype=torch.int32), indices,
+            offsets.to(device=device, dtype=torch.int32))
+
+
+def l2norm_fwd(x: torch.Tensor):
+    """x [..., D] -> (x / ||x||, rstd fp32 [...])."""
+    D = x.shape[-1]
+    R = x.numel() // D
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    _l2norm_fwd(lambda m: (triton.cdiv(R, m["BR"]),), x, y, rstd, R, L2NORM_EPS,
+                bucket=_bucket(R), D=D, BD=_block(D))
+    return y, rstd
+
+
+def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype):
+    D = x.shape[-1]
+    R = x.numel() // D
+    dx = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _l2norm_bwd(lambda m: (triton.cdiv(R, m["BR"]),), x, rstd, dy.contiguous(), dx, R,
+                bucket=_bucket(R), D=D, BD=_block(D))
+    return dx
+
+
+def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
+    """Run prep and the state scan; returns (A, gcum, h per chunk, U per token, final state)."""
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N, n_chunks, cu, indices, offsets = layout
+    load_a = A is not None
+    if not load_a:
+        A = torch.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
+        gcum = torch.empty(B, T, Hv, dtype=torch.float32, device=k.device)
+    w = torch.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
+    u = torch.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
+    consts = dict(HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    _fwd_prep((n_chunks, Hv), k, v, g, beta, gcum, A, w, u, cu, indices, T,
+              bucket=_bucket(n_chunks), LOAD_A=load_a, **consts)
+    h = torch.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
+    v_new = torch.empty_like(u)
+    final_state = torch.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
+    _fwd_state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), k, w, u, gcum, initial_state, h, v_new,
+               final_state, cu, offsets, T, bucket=_bucket(N * Hv), HAS_H0=initial_state is not None, **consts)
+    return A, gcum, w, h, v_new, final_state
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool):
+    """Launch the forward; returns (o, final_state, A, gcum). Inputs contiguous, checked by the caller."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    if use_qk_l2norm:
+        q, _ = l2norm_fwd(q)
+        k, _ = l2norm_fwd(k)
+    layout = _varlen_layout(cu_seqlens, B, T, q.device)
+    n_chunks, cu, indices = layout[1], layout[2], layout[3]
+    A, gcum, _, h, v_new, final_state = _wy_and_states(q, k, v, g, beta, initial_state, layout)
+    o = torch.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
+    _fwd_output(lambda m: (triton.cdiv(V, m["BV"]), n_chunks, Hv), q, k, v_new, h, gcum, o, cu, indices, T, scale,
+                bucket=_bucket(n_chunks), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    return o, final_state, A, gcum
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht,
+                               scale: float, use_qk_l2norm: bool):
+    """Launch the backward; returns (dq, dk, dv, dg, dbeta, dh0) with dh0 empty when there is no h0."""
+    B, T, Hk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    q_in, k_in = q, k
+    if use_qk_l2norm:
+        q, q_rstd = l2norm_fwd(q_in)
+        k, k_rstd = l2norm_fwd(k_in)
+    layout = _varlen_layout(cu_seqlens, B, T, q.device)
+    N, n_chunks, cu, indices, offsets = layout
+    _, _, w, h, v_new, _ = _wy_and_states(q, k, v, g, beta, initial_state, layout, A=A, gcum=gcum)
+    consts = dict(HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+
+    do = do.to(q.dtype).contiguous()
+    dh = torch.empty_like(h)
+    dv_new = torch.empty_like(v_new)
+    has_h0 = initial_state is not None
+    dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device) if has_h0 else None
+    if dht is not None:
+        dht = dht.float().contiguous()
+    _bwd_state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, gcum, do, dht, dh, dv_new, dh0,
+               cu, offsets, T, scale, bucket=_bucket(N * Hv), HAS_DHT=dht is not None, HAS_H0=has_h0, **consts)
+
+    dq = torch.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
+    dk = torch.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(B, T, Hv, dtype=torch.float32, device=q.device)
+    dg = torch.empty(B, T, Hv, dtype=torch.float32, device=q.device)
+    _bwd_local((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv, dbeta, dg,
+               cu, indices, T, scale, bucket=_bucket(n_chunks), **consts)
+    if Hv != Hk:  # a query/key head serves Hv // Hk value heads: sum their gradients, in a fixed order
+        dq = dq.view(B, T, Hk, Hv // Hk, K).sum(3)
+        dk = dk.view(B, T, Hk, Hv // Hk, K).sum(3)
+    if use_qk_l2norm:
+        dq = l2norm_bwd(q_in, q_rstd, dq, q_in.dtype)
+        dk = l2norm_bwd(k_in, k_rstd, dk, k_in.dtype)
+    else:
+        dq, dk = dq.to(q_in.dtype), dk.to(k_in.dtype)
+    if dh0 is None:
+        dh0 = torch.empty(0, dtype=torch.float32, device=q.device)
+    return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
+
+
+@torch.library.custom_op("dflash_kernels::gdn_chunk_fwd", mutates_args=())
+def _gdn_chunk_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
+                      use_qk_l2norm: bool, output_final_state: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm)
+
+
+@_gdn_chunk_fwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
+    B, T, _, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (q.new_empty(B, T, Hv, V), q.new_empty(N, Hv, K, V, dtype=torch.float32),
+            q.new_empty(B, T, Hv, BT, dtype=torch.float32), q.new_empty(B, T, Hv, dtype=torch.float32))
+
+
+@torch.library.custom_op("dflash_kernels::gdn_chunk_bwd", mutates_args=())
+def _gdn_chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], A: torch.Tensor,
+                      gcum: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], scale: float,
+                      use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                    torch.Tensor, torch.Tensor]:
+    return chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht,
+                                      scale, use_qk_l2norm)
+
+
+@_gdn_chunk_bwd_op.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht, scale, use_qk_l2norm):
+    dh0 = (torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None
+           else q.new_empty(0, dtype=torch.float32))
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state = inputs
+    _, _, A, gcum = output
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum)
+    ctx.scale = scale
+    ctx.use_qk_l2norm = use_qk_l2norm
+    ctx.output_final_state = output_final_state
+
+
+def _backward(ctx, do, dht, dA, dgcum):
+    q, k, v, g, beta, initial_state, cu_seqlens, A, gcum = ctx.saved_tensors
+    if not ctx.output_final_state:
+        dht = None  # the public function dropped the final state: nothing flows back through it
+    dq, dk, dv, dg, dbeta, dh0 = _gdn_chunk_bwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum,
+                                                   do, dht, ctx.scale, ctx.use_qk_l2norm)
+    if initial_state is None:
+        dh0 = None
+    else:
+        dh0 = dh0.to(initial_state.dtype)
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+
+
+_gdn_chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """Raise TypeError/ValueError naming the argument; returns (N, scale)."""
+    check_tensor("q", q, 4, FLOAT_DTYPES)
+    check_tensor("k", k, 4, FLOAT_DTYPES)
+    check_tensor("v", v, 4, FLOAT_DTYPES)
+    check_tensor("g", g, 3, FLOAT_DTYPES)
+    check_tensor("beta", beta, 3, FLOAT_DTYPES)
+    check_tensor("initial_state", initial_state, 4, FLOAT_DTYPES, optional=True)
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state, cu_seqlens=cu_seqlens)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k, v: dtypes must match q's {q.dtype}, got k {k.dtype} and v {v.dtype}")
+    B, T, Hk, K = q.shape
+    if tuple(k.shape) != tuple(q.shape):
+        raise ValueError(f"k: expected the shape of q {tuple(q.shape)} [B, T, Hk, K], got {tuple(k.shape)}")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v: expected [B={B}, T={T}, Hv, V], got shape {tuple(v.shape)}")
+    Hv, V = v.shape[2], v.shape[3]
+    if Hv % Hk != 0:
+        raise ValueError(f"v: its head count Hv={Hv} must be a multiple of q/k's Hk={Hk}")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (B, T, Hv):
+            raise ValueError(f"{name}: expected shape [B, T, Hv] = {(B, T, Hv)}, got {tuple(t.shape)}")
+    if T == 0:
+        raise ValueError(f"q: T must be at least 1, got shape {tuple(q.shape)}")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"q, v: head dims K={K}, V={V}: at most {MAX_HEAD_DIM} supported")
+    if scale is None:
+        scale = K ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    N = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise TypeError(f"cu_seqlens: expected a LongTensor, got {type(cu_seqlens).__name__}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int64, torch.int32) or cu_seqlens.numel() < 2:
+            raise TypeError(f"cu_seqlens: expected a 1-D integer tensor [N+1], got {cu_seqlens.dtype} "
+                            f"of shape {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            raise ValueError(f"q: with cu_seqlens the batch size must be 1 (packed sequences), got B={B}")
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != T or any(b > a for a, b in zip(bounds[1:], bounds[:-1])):
+            raise ValueError(f"cu_seqlens: must rise from 0 to T={T} without decreasing, got {bounds}")
+        N = len(bounds) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, Hv, K, V):
+        raise ValueError(f"initial_state: expected shape [N, Hv, K, V] = {(N, Hv, K, V)}, "
+                         f"got {tuple(initial_state.shape)}")
+    return N, float(scale)
+
+
+def _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk  # the one place fla is imported
+
+    return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+                           output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                           cu_seqlens: Optional[torch.LongTensor] = None):
+    r"""Gated DeltaNet over whole sequences (training and prefill); fla's signature and semantics.
+
+    Per value head: ``S_t = exp(g_t) S_{t-1}; S_t += beta_t k_t (v_t - S_t^T k_t)^T; o_t = scale S_t^T q_t``.
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` queries and keys (bf16, fp16 or fp32; K <= 256).
+        v: ``[B, T, Hv, V]`` values, Hv a multiple of Hk: q/k head ``h // (Hv // Hk)`` serves value head h.
+        g: ``[B, T, Hv]`` log-space decay (any float dtype; used in fp32).
+        beta: ``[B, T, Hv]`` write strengths.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` state per sequence (N = B, or len(cu_seqlens) - 1).
+        output_final_state: also return the ``[N, Hv, K, V]`` fp32 state after the last token.
+        use_qk_l2norm_in_kernel: L2-normalize q and k (eps 1e-6) inside, with its backward.
+        cu_seqlens: ``[N + 1]`` LongTensor of sequence boundaries for a packed batch (then B = 1).
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, Hv, V]`` in q's dtype; final_state or None.
+    """
+    N, scale = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    backend = resolve(OP, q.device)
+    if backend == "reference":
+        from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+        o, final_state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+                                                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+        return o.to(q.dtype), final_state
+    if backend == "fla":
+        return _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                          cu_seqlens)
+    if initial_state is not None:
+        initial_state = initial_state.contiguous()
+    o, final_state, _, _ = _gdn_chunk_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                             beta.contiguous(), initial_state, cu_seqlens, scale,
+                                             bool(use_qk_l2norm_in_kernel), bool(output_final_state))
+    return o, (final_state if output_final_state else None)
+
+
+@register_precompile(OP)
+def _precompile_gdn(shape: dict, dtype, device, backward: bool):
+    """shape: B, T, Hk, Hv, K, V (and optionally l2norm: bool, default True)."""
+    B, T, Hk, Hv, K, V = (shape[n] for n in ("B", "T", "Hk", "Hv", "K", "V"))
+    make = dict(device=device, dtype=dtype)
+    q = torch.randn(B, T, Hk, K, **make)
+    k = torch.randn(B, T, Hk, K, **make)
+    v = torch.randn(B, T, Hv, V, **make)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, Hv, device=device, dtype=torch.float32))
+    beta = torch.rand(B, T, Hv, **make)
+    h0 = torch.zeros(B, Hv, K, V, device=device, dtype=torch.float32)
+    tensors = [q, k, v, g, beta, h0]
+    if backward:
+        for t in tensors:
+            t.requires_grad_(True)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=shape.get("l2norm", True))
+    if backward:
+        torch.autograd.grad((o.float().sum() + ht.sum()), tensors)

@@ -1,0 +1,192 @@
+"""Triton kernels of the chunked gated delta rule backward.
+
+Notation of ``kernels_fwd.py`` (S0 = state at the chunk start, U = u - w S0, S1 = state at its end).
+Two kernels, no atomics (deterministic):
+
+``state`` (sequential, chunks in reverse, parallel over sequences, heads and V blocks). With dS1 the
+gradient of the chunk's end state (dht for the last chunk):
+
+    dU  = scale tril(Q K^T * Gamma)^T dO + (K * exp(G_last - G)) dS1     every path into U
+    dS0 = exp(G_last) dS1 + scale (Q * exp(G))^T dO - w^T dU              passed to the chunk before
+
+``local`` (parallel over chunks): every input gradient of one chunk from S0, dS1, U, dU and dO:
+
+    dP  = scale tril(dO U^T)                  P_ij = q_i.k_j Gamma_ij
+    dq  = scale exp(G) dO S0^T + (dP Gamma) K
+    dk  = (dP Gamma)^T Q + exp(G_last - G) U dS1^T + diag(beta exp(G)) A^T dw + dR K + dR^T K
+    dw  = -dU S0^T,  du = dU,  dA = dw X^T + du Y^T   (X = diag(beta e^G) K, Y = diag(beta) V)
+    dL  = -A^T dA A^T (strictly lower),  dR = dL beta_i Gamma_ij
+    dv  = diag(beta) A^T dU
+    dG  from every exp(G...) factor, then dg = the reverse cumulative sum of dG inside the chunk.
+
+dq and dk are written per value head (fp32) and summed over each query/key head's group on the host.
+"""
+
+import triton
+import triton.language as tl
+
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import chunk_bounds, sequence_bounds
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr, dvnew_ptr, dh0_ptr,
+                          cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
+                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                          HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, BV: tl.constexpr):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // (HV // HK)
+    bos, seqlen, boh = sequence_bounds(i_n, T, cu_seqlens_ptr, chunk_offsets_ptr, BT, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    if HAS_DHT:
+        b_dh = tl.load(dht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, mask=m_kv, other=0).to(tl.float32)
+    else:
+        b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    dt = q_ptr.dtype.element_ty
+    o_i = tl.arange(0, BT)
+    NT = tl.cdiv(seqlen, BT)
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        tl.store(dh_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_dh.to(dh_ptr.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < seqlen
+        rows = bos + o_t
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_qk = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
+        b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
+        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
+        b_w = tl.load(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_do = tl.load(do_ptr + p_v, mask=m_tv, other=0)
+        last = tl.minimum(i_t * BT + BT, seqlen) - 1
+        b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+        b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
+
+        causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
+        b_P = tl.dot(b_q, tl.trans(b_k))
+        b_P = tl.where(causal, b_P * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+        b_dvnew = tl.dot(tl.trans(b_P.to(dt)), b_do) * scale
+        b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
+        b_dvnew += tl.dot(b_kd, b_dh.to(dt))
+        tl.store(dvnew_ptr + p_v, b_dvnew.to(dvnew_ptr.dtype.element_ty), mask=m_tv)
+
+        b_qg = (b_q * (tl.exp(tl.where(m_t, b_G, 0.0)) * scale)[:, None]).to(dt)
+        b_dh = b_dh * tl.exp(b_Glast) + tl.dot(tl.trans(b_qg), b_do) - tl.dot(tl.trans(b_w), b_dvnew.to(dt))
+    if HAS_H0:
+        tl.store(dh0_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_dh, mask=m_kv)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr,
+                          do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
+                          cu_seqlens_ptr, chunk_indices_ptr, T, scale,
+                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // HK)
+    bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < seqlen
+    rows = bos + o_t
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    o_i = tl.arange(0, BT)
+    dt = q_ptr.dtype.element_ty
+
+    p_qk = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
+    b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
+    b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
+    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+    last = tl.minimum(i_t * BT + BT, seqlen) - 1
+    b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
+    b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
+
+    # Pass 1 over V: every product that contracts over V and involves the chunk's states.
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO S0^T
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)  # U dS1^T
+    b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # -dU S0^T
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)   # dO U^T
+    b_hdh = tl.zeros([BK], dtype=tl.float32)      # partial sums of S0 * dS1 (for dG_last)
+    p_h = (i_c.to(tl.int64) * HV + i_h) * (K * V)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        b_h = tl.load(h_ptr + p_h + o_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh_ptr + p_h + o_kv, mask=m_kv, other=0)
+        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
+        b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0)
+        b_do = tl.load(do_ptr + p_v, mask=m_tv, other=0)
+        b_dq += tl.dot(b_do, tl.trans(b_h))
+        b_dP += tl.dot(b_do, tl.trans(b_vnew))
+        b_dks += tl.dot(b_vnew, tl.trans(b_dh))
+        b_dw -= tl.dot(b_dvnew.to(dt), tl.trans(b_h))
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+
+    b_eG = tl.exp(tl.where(m_t, b_G, 0.0))
+    b_edec = tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+
+    # Intra-chunk attention term.
+    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    gamma = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0))
+    b_dPG = tl.where(causal, b_dP * scale * gamma, 0.0)
+    b_qk = tl.dot(b_q, tl.trans(b_k))
+    b_t = b_dPG * b_qk
+    b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
+    b_dq = b_dq * (scale * b_eG)[:, None]
+    b_dG += tl.sum(b_dq * b_qf, 1)
+    b_dq += tl.dot(b_dPG.to(dt), b_k)
+    tl.store(dq_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dq, mask=m_tk)
+
+    # State paths: S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U.
+    b_dk = tl.dot(tl.trans(b_dPG.to(dt)), b_q) + b_dks * b_edec[:, None]
+    b_t2 = tl.sum(b_dks * b_kf * b_edec[:, None], 1)
+    b_dG -= b_t2
+    b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2, 0)
+
+    # WY representation: w = A X, u = A Y, then A = (I + L)^-1.
+    b_bg = b_beta * b_eG
+    b_X = b_kf * b_bg[:, None]
+    b_dX = tl.dot(tl.trans(b_A), b_dw)
+    b_dk += b_dX * b_bg[:, None]
+    b_dbeta = tl.sum(b_dX * b_kf * b_eG[:, None], 1)
+    b_dG += tl.sum(b_dX * b_X, 1)
+    b_dA = tl.dot(b_dw, tl.trans(b_X))
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_v = tl.load(v_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_dY = tl.dot(tl.trans(b_A), b_dvnew)
+        tl.store(dv_ptr + p_v, (b_dY * b_beta[:, None]).to(dv_ptr.dtype.element_ty), mask=m_tv)
+        b_dbeta += tl.sum(b_dY * b_v, 1)
+        b_dA += tl.dot(b_dvnew, tl.trans(b_v * b_beta[:, None]))
+
+    strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dL = -tl.dot(tl.dot(tl.trans(b_A), b_dA), tl.trans(b_A))
+    b_dL = tl.where(strict, b_dL, 0.0)
+    gamma_s = tl.where(strict, gamma, 0.0)
+    b_kk = tl.dot(b_k, tl.trans(b_k))
+    b_dLg = b_dL * gamma_s
+    b_dbeta += tl.sum(b_dLg * b_kk, 1)
+    b_dR = b_dLg * b_beta[:, None]
+    b_dk += tl.dot(b_dR, b_kf) + tl.dot(tl.trans(b_dR), b_kf)
+    b_t3 = b_dR * b_kk
+    b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
+    b_dG += tl.where(o_t == last, b_dGlast, 0.0)
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
+
+    tl.store(dk_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dk, mask=m_tk)
+    tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
+    tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)

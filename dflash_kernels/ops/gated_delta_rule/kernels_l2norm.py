@@ -1,0 +1,35 @@
+"""Row-wise L2 normalization of q and k (``use_qk_l2norm_in_kernel``) and its backward.
+
+y = x * rstd with rstd = 1 / sqrt(sum(x^2) + eps), eps = 1e-6 as in fla and HF transformers.
+Backward: dx = rstd * (dy - y * sum(dy * y)).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["R"])
+def _l2norm_fwd_kernel(x_ptr, y_ptr, rstd_ptr, R, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    i_r = tl.program_id(0)
+    o_r = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    mask = (o_r < R)[:, None] & (o_d < D)[None, :]
+    p = o_r[:, None] * D + o_d[None, :]
+    b_x = tl.load(x_ptr + p, mask=mask, other=0).to(tl.float32)
+    b_rstd = 1.0 / tl.sqrt(tl.sum(b_x * b_x, 1) + eps)
+    tl.store(y_ptr + p, (b_x * b_rstd[:, None]).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + o_r, b_rstd, mask=o_r < R)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _l2norm_bwd_kernel(x_ptr, rstd_ptr, dy_ptr, dx_ptr, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    i_r = tl.program_id(0)
+    o_r = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
+    o_d = tl.arange(0, BD)
+    mask = (o_r < R)[:, None] & (o_d < D)[None, :]
+    p = o_r[:, None] * D + o_d[None, :]
+    b_rstd = tl.load(rstd_ptr + o_r, mask=o_r < R, other=0)
+    b_y = tl.load(x_ptr + p, mask=mask, other=0).to(tl.float32) * b_rstd[:, None]
+    b_dy = tl.load(dy_ptr + p, mask=mask, other=0).to(tl.float32)
+    b_dx = b_rstd[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, 1)[:, None])
+    tl.store(dx_ptr + p, b_dx.to(dx_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,16 @@
+"""The thread-safe kernel runtime every op is built on: per-key compile cache, tuning, backends."""
+
+# ``backends`` stays the submodule here (ops call ``backends.register_op``); the top-level
+# ``dflash_kernels.backends()`` is the report function ``backends.backends``.
+from dflash_kernels.runtime import backends
+from dflash_kernels.runtime.backends import get_backend, register_op, resolve, set_backend
+from dflash_kernels.runtime.errors import BackendUnavailable, KernelCacheMiss
+from dflash_kernels.runtime.kernel import Config, TritonKernel, cache_info, reset_cache
+from dflash_kernels.runtime.precompile import precompile, register_precompile
+from dflash_kernels.runtime.settings import cache_dir, is_strict, strict
+
+__all__ = [
+    "BackendUnavailable", "Config", "KernelCacheMiss", "TritonKernel", "backends", "cache_dir",
+    "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
+    "reset_cache", "resolve", "set_backend", "strict",
+]

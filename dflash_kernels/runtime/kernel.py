@@ -1,0 +1,322 @@
+"""The kernel cache: every Triton kernel compiled once per key, tuned once per GPU model, shared by threads.
+
+Why not ``kernel[grid](...)`` and ``triton.autotune``: Triton's ``Autotuner`` keeps per-call state on
+the shared kernel object (``self.nargs``), so two threads tuning at once crash each other, and
+``JITFunction.run`` re-binds and re-specializes every argument on every call. Here a launch is:
+
+1. hot path, lock-free: build the key (shape bucket, constexprs, Triton's own specialization of each
+   argument: dtype, 16-byte alignment, int width and divisibility; device), one ``dict.get``, and a
+   direct call of the compiled kernel's launcher on the input's device and current stream;
+2. miss: a per-key lock, checked twice, so each key compiles exactly once while other keys compile
+   concurrently, and threads that miss the same key wait for that one compile. On the GPU the
+   candidate configs are timed once (under a per-device lock) unless a persisted result exists.
+
+Kernel signatures put every runtime parameter first and every ``tl.constexpr`` last, so a launch is
+``args + constexpr values`` with no per-call binding.
+"""
+
+import inspect
+import threading
+import time
+
+import torch
+import triton
+from triton import knobs
+
+from dflash_kernels.runtime import settings, tuning
+from dflash_kernels.runtime.devices import current_stream, device_index, on_device
+
+try:
+    from triton.runtime.jit import native_specialize_impl as _specialize
+except ImportError:  # pragma: no cover - triton < 3.3 kept it under another name
+    from triton.runtime.jit import specialize_impl as _specialize
+from triton.backends.compiler import BaseBackend
+
+__all__ = ["Config", "TritonKernel", "cache_info", "reset_cache", "all_kernels"]
+
+
+class Config:
+    """One tuning candidate: constexpr block sizes plus the ``num_warps`` / ``num_stages`` launch options."""
+
+    def __init__(self, num_warps: int = 4, num_stages: int = 2, **meta):
+        self.meta = meta
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+
+    def as_dict(self) -> dict:
+        return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Config":
+        d = dict(d)
+        return cls(num_warps=d.pop("num_warps", 4), num_stages=d.pop("num_stages", 2), **d)
+
+    def __repr__(self):
+        return "Config(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+
+
+class _Entry:
+    """A compiled (or, under the interpreter, prepared) kernel for one key."""
+
+    __slots__ = ("launch", "config", "meta", "hits", "compiles", "compile_s", "tune_s", "tuned_from")
+
+    def __init__(self):
+        self.hits = 0
+        self.compiles = 0
+        self.compile_s = 0.0
+        self.tune_s = 0.0
+        self.tuned_from = "none"
+
+
+# Triton's interpreter patches triton.language module attributes for the duration of a launch and
+# restores them after, so two interpreted launches at once break each other. Interpreted launches
+# (the CPU test backend) are serialized; compiled launches never take this lock.
+_interpreter_lock = threading.Lock()
+
+_registry = []  # every TritonKernel, for cache_info / reset_cache
+_registry_lock = threading.Lock()
+
+
+def all_kernels():
+    with _registry_lock:
+        return list(_registry)
+
+
+class TritonKernel:
+    """A ``@triton.jit`` kernel behind the thread-safe per-key compile cache.
+
+    Args:
+        fn: the ``@triton.jit`` function. Runtime parameters first, ``tl.constexpr`` parameters last.
+            Ints that vary per call (lengths, strides) belong in its ``do_not_specialize`` list, so a
+            new length does not compile a new kernel.
+        name: a stable name, used in cache keys, strict-mode errors and the tuning file.
+        configs: tuning candidates; their ``meta`` become constexpr keyword arguments.
+        interpret_config: the config used under ``TRITON_INTERPRET=1`` (default: the first).
+        reset_to_zero: parameter names zeroed before each tuning trial (outputs accumulated with atomics).
+        restore: parameter names restored after tuning (kernels that update a tensor in place).
+    """
+
+    def __init__(self, fn, *, name, configs, interpret_config=None, reset_to_zero=(), restore=()):
+        assert configs, f"{name}: at least one config"
+        self.fn = fn
+        self.name = name
+        self.configs = list(configs)
+        self.interpret_config = interpret_config or self.configs[0]
+        self.interpreted = not hasattr(fn, "warmup") or type(fn).__name__ == "InterpretedFunction"
+        py_fn = fn.fn if hasattr(fn, "fn") else fn
+        params = list(inspect.signature(py_fn).parameters.values())
+        names = [p.name for p in params]
+        is_constexpr = ["constexpr" in str(p.annotation) for p in params]
+        n_runtime = is_constexpr.index(True) if True in is_constexpr else len(params)
+        assert not any(is_constexpr[:n_runtime]) and all(is_constexpr[n_runtime:]), (
+            f"{name}: runtime parameters must come first and tl.constexpr parameters last")
+        self.runtime_names = names[:n_runtime]
+        self.constexpr_names = names[n_runtime:]
+        self.constexpr_defaults = {p.name: p.default for p in params[n_runtime:]
+                                   if p.default is not inspect.Parameter.empty}
+        dns = self._flag_set(fn, "do_not_specialize")
+        dnsa = self._flag_set(fn, "do_not_specialize_on_alignment")
+        self._spec = self._make_spec(self.runtime_names, dns, dnsa)
+        self._reset_idx = [self.runtime_names.index(n) for n in reset_to_zero]
+        self._restore_idx = [self.runtime_names.index(n) for n in restore]
+        self._source_hash = self._hash_source(fn)
+        self._cache = {}
+        self._key_locks = {}
+        self._key_locks_guard = threading.Lock()
+        with _registry_lock:
+            _registry.append(self)
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _flag_set(fn, attr):
+        values = getattr(fn, attr, None)
+        if values is None and hasattr(fn, "kwargs"):  # InterpretedFunction keeps them in kwargs
+            values = fn.kwargs.get(attr)
+        return set(values or ())
+
+    @staticmethod
+    def _make_spec(names, dns, dnsa):
+        """Generate ``spec(*args) -> tuple``: Triton's own specialization of each runtime argument.
+
+        Generated as straight-line code (no per-call loop), the same way Triton builds its binder.
+        """
+        items = []
+        for i, n in enumerate(names):
+            specialize = n not in dns and i not in dns
+            align = n not in dnsa and i not in dnsa
+            items.append(f"_s(_B, a{i}, False, {specialize}, {align})")
+        src = (f"def spec({', '.join(f'a{i}' for i in range(len(names)))}):\n"
+               f"    return ({', '.join(items)}{',' if len(items) == 1 else ''})\n")
+        namespace = {"_s": _specialize, "_B": BaseBackend}
+        exec(src, namespace)
+        return namespace["spec"]
+
+    @staticmethod
+    def _hash_source(fn) -> str:
+        try:
+            return fn.cache_key[:16]  # covers the kernel's source and the jit functions it calls
+        except Exception:
+            import hashlib
+            py_fn = fn.fn if hasattr(fn, "fn") else fn
+            return hashlib.sha256(inspect.getsource(py_fn).encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ hot path
+    def __call__(self, grid, *args, bucket=(), **constexprs):
+        """Launch on the device of the first tensor argument. See the class docstring."""
+        dev = self._device_of(args)
+        key = (bucket, tuple(constexprs.items()), self._spec(*args), dev)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._miss(key, grid, args, constexprs, dev)
+        else:
+            entry.hits += 1  # statistics only: a lost increment under a race is acceptable
+        entry.launch(grid, args)
+
+    @staticmethod
+    def _device_of(args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                return -1 if a.device.type == "cpu" else device_index(a.device)
+        raise AssertionError("a kernel launch needs at least one tensor argument")
+
+    # ------------------------------------------------------------------ miss path
+    def _miss(self, key, grid, args, constexprs, dev):
+        with self._key_locks_guard:
+            lock = self._key_locks.get(key)
+            if lock is None:
+                lock = self._key_locks[key] = threading.Lock()
+        with lock:
+            entry = self._cache.get(key)
+            if entry is not None:  # another thread compiled it while we waited
+                entry.hits += 1
+                return entry
+            settings.check_strict(self.name, key)
+            entry = _Entry()
+            t0 = time.perf_counter()
+            if self.interpreted:
+                config = self.interpret_config
+            else:
+                config = self._choose_config(key, grid, args, constexprs, dev, entry)
+            entry.config = config
+            entry.meta = {**constexprs, **config.meta}
+            entry.launch = self._build_launcher(config, entry.meta, args, dev)
+            entry.compiles += 1
+            entry.compile_s = time.perf_counter() - t0 - entry.tune_s
+            if settings.verbose():
+                print(f"[dflash_kernels] compiled {self.name} {key!r} -> {config} "
+                      f"({entry.compile_s:.2f}s compile, {entry.tune_s:.2f}s tune, {entry.tuned_from})")
+            self._cache[key] = entry  # publish last: a reader sees a complete entry or none
+            return entry
+
+    def _full_meta(self, meta):
+        return tuple(meta[n] if n in meta else self.constexpr_defaults[n] for n in self.constexpr_names)
+
+    def _build_launcher(self, config, meta, args, dev):
+        if self.interpreted:
+            fn = self.fn
+            kwargs = {n: meta[n] for n in self.constexpr_names if n in meta}
+
+            def launch(grid, args):
+                g = grid(meta) if callable(grid) else grid
+                with _interpreter_lock:
+                    fn[g](*args, **kwargs)
+            return launch
+
+        tail = self._full_meta(meta)
+        with on_device(dev):
+            compiled = self.fn.warmup(*args, *tail, grid=(1,), num_warps=config.num_warps,
+                                      num_stages=config.num_stages)
+            compiled._init_handles()
+        run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+
+        def launch(grid, args):
+            g = grid(meta) if callable(grid) else grid
+            g0 = g[0]
+            g1 = g[1] if len(g) > 1 else 1
+            g2 = g[2] if len(g) > 2 else 1
+            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            lm = compiled.launch_metadata(g, current_stream(dev), *args, *tail) if enter else None
+            if torch.cuda.current_device() != dev:
+                with on_device(dev):
+                    run(g0, g1, g2, current_stream(dev), function, packed, lm, enter, leave, *args, *tail)
+            else:
+                run(g0, g1, g2, current_stream(dev), function, packed, lm, enter, leave, *args, *tail)
+        return launch
+
+    def _persist_name(self, key):
+        bucket, constexprs, spec, _ = key
+        return f"{self.name}|{self._source_hash}|{bucket!r}|{constexprs!r}|{spec!r}"
+
+    def _choose_config(self, key, grid, args, constexprs, dev, entry):
+        if len(self.configs) == 1 or not settings.tuning_enabled():
+            entry.tuned_from = "single" if len(self.configs) == 1 else "disabled"
+            return self.configs[0]
+        store = tuning.store()
+        name = self._persist_name(key)
+        saved = store.get(dev, name)
+        if saved is not None:
+            entry.tuned_from = "disk"
+            return Config.from_dict(saved["config"])
+        with tuning.tuning_lock(dev):
+            t0 = time.perf_counter()
+            best, timings = self._time_configs(grid, args, constexprs, dev)
+            entry.tune_s = time.perf_counter() - t0
+        entry.tuned_from = "timed"
+        store.put(dev, name, {"config": best.as_dict(), "ms": timings[repr(best)],
+                              "candidates": timings})
+        return best
+
+    def _time_configs(self, grid, args, constexprs, dev):
+        saved = [args[i].clone() for i in self._restore_idx]
+        timings, best, best_ms = {}, None, float("inf")
+        with on_device(dev), torch.cuda.stream(torch.cuda.current_stream(dev)):
+            for config in self.configs:
+                meta = {**constexprs, **config.meta}
+                try:
+                    launch = self._build_launcher(config, meta, args, dev)
+                except Exception as e:  # out of shared memory / registers: not a candidate here
+                    timings[repr(config)] = f"failed: {type(e).__name__}"
+                    continue
+
+                def trial():
+                    for i in self._reset_idx:
+                        args[i].zero_()
+                    launch(grid, args)
+                ms = triton.testing.do_bench(trial, warmup=5, rep=25, return_mode="median")
+                timings[repr(config)] = ms
+                if ms < best_ms:
+                    best, best_ms = config, ms
+            for i, value in zip(self._restore_idx, saved):
+                args[i].copy_(value)
+        if best is None:
+            raise RuntimeError(f"{self.name}: no config compiled for this input: {timings}")
+        return best, timings
+
+    # ------------------------------------------------------------------ introspection
+    def cache_info(self) -> dict:
+        return {(self.name,) + k: {"hits": e.hits, "compiles": e.compiles, "compile_s": e.compile_s,
+                                   "tune_s": e.tune_s, "config": e.config.as_dict(),
+                                   "tuned_from": e.tuned_from}
+                for k, e in list(self._cache.items())}
+
+    def reset(self):
+        with self._key_locks_guard:
+            self._cache.clear()
+            self._key_locks.clear()
+
+
+def cache_info() -> dict:
+    """Per compiled key: hits, compiles, compile and tune seconds, chosen config.
+
+    Keys are ``(kernel name, bucket, constexprs, argument specialization, device index)``.
+    """
+    info = {}
+    for k in all_kernels():
+        info.update(k.cache_info())
+    return info
+
+
+def reset_cache() -> None:
+    """Forget every compiled kernel (persisted tuning results stay on disk)."""
+    for k in all_kernels():
+        k.reset()

@@ -1,0 +1,78 @@
+"""Process-wide settings of the runtime: cache directory, strict mode, environment variables.
+
+Environment variables (read at import, overridable from Python):
+- ``DFLASH_KERNELS_CACHE_DIR``: where tuning results persist (default: ``$XDG_CACHE_HOME/dflash_kernels``
+  or ``~/.cache/dflash_kernels``).
+- ``DFLASH_KERNELS_STRICT=1``: a kernel-cache miss raises :class:`KernelCacheMiss` instead of compiling.
+- ``DFLASH_KERNELS_BACKEND="op=name,op=name"``: per-op backend choice (see ``backends``).
+- ``DFLASH_KERNELS_TUNE=0``: skip timing candidates on the GPU; take each kernel's first config.
+- ``DFLASH_KERNELS_VERBOSE=1``: print each compile and tuning result.
+"""
+
+import contextlib
+import os
+import threading
+
+from dflash_kernels.runtime.errors import KernelCacheMiss
+
+__all__ = ["cache_dir", "strict", "is_strict", "tuning_enabled", "verbose", "interpreting"]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cache_dir() -> str:
+    """The folder holding persisted tuning results; created on first use."""
+    path = os.environ.get("DFLASH_KERNELS_CACHE_DIR")
+    if not path:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        path = os.path.join(base, "dflash_kernels")
+    return path
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return _env_flag("TRITON_INTERPRET")
+
+
+def tuning_enabled() -> bool:
+    return os.environ.get("DFLASH_KERNELS_TUNE", "1").strip() not in ("0", "false", "no", "off")
+
+
+def verbose() -> bool:
+    return _env_flag("DFLASH_KERNELS_VERBOSE")
+
+
+# Strict mode is process-wide on purpose: a trainer enters it once in the main thread after
+# precompiling, and every worker thread must then obey it.
+_strict_depth = 0
+_strict_lock = threading.Lock()
+
+
+def is_strict() -> bool:
+    return _strict_depth > 0 or _env_flag("DFLASH_KERNELS_STRICT")
+
+
+@contextlib.contextmanager
+def strict():
+    """Inside this context a kernel-cache miss raises :class:`KernelCacheMiss` naming the key.
+
+    Use it after :func:`dflash_kernels.precompile` so that nothing compiles in the middle of a run.
+    """
+    global _strict_depth
+    with _strict_lock:
+        _strict_depth += 1
+    try:
+        yield
+    finally:
+        with _strict_lock:
+            _strict_depth -= 1
+
+
+def check_strict(kernel_name: str, key) -> None:
+    if is_strict():
+        raise KernelCacheMiss(
+            f"strict mode: kernel {kernel_name!r} is not compiled for key {key!r}; "
+            f"precompile this shape/dtype/device first (dflash_kernels.precompile) or leave strict mode"
+        )

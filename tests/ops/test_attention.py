@@ -1,0 +1,314 @@
+"""Block-sparse attention against the dense fp32 reference, on the Triton interpreter or a GPU."""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dflash_kernels.ops.attention.attention as attention_module
+from dflash_kernels.ops.attention import (block_sparse_attention, causal_block_mask, dflash_block_mask,
+                                          from_flex_block_mask)
+from dflash_kernels.ops.attention.reference import dense_mask, sdpa_dense
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+needs_kernels = pytest.mark.skipif(DEVICE == "cpu" and not INTERPRET,
+                                   reason="kernels need CUDA or TRITON_INTERPRET=1")
+# Triton 3.6's interpreter returns garbage for tl.dot on bf16 operands (fp16 and fp32 are exact), so
+# bf16 runs on the GPU only; fp16 covers the half-precision paths on the CPU.
+no_bf16_dot = pytest.mark.skipif(INTERPRET, reason="Triton 3.6 interpreter computes bf16 tl.dot wrongly")
+
+if INTERPRET:
+    # Triton 3.6's interpreter turns a scalar into a 1-element array and calls int() on it for
+    # `range(runtime_bound)`, which numpy >= 2.4 refuses; read the element instead.
+    from triton.runtime import interpreter as _interp
+
+    if not getattr(_interp._patch_lang_tensor, "_dflash_patched", False):
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_lang_tensor(tensor, scope):
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _patch_lang_tensor._dflash_patched = True
+        _interp._patch_lang_tensor = _patch_lang_tensor
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every buffer the launchers allocate starts as NaN, so an element the kernels skip fails."""
+    empty_like, empty = torch.empty_like, torch.empty
+
+    def nan_empty_like(*args, **kwargs):
+        out = empty_like(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(attention_module.torch, "empty_like", nan_empty_like)
+    monkeypatch.setattr(attention_module.torch, "empty", nan_empty)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def make_qkv(B, Tq, Tk, Hq, Hkv, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, Hq, D, generator=g).to(DEVICE, dtype)
+    k = torch.randn(B, Tk, Hkv, D, generator=g).to(DEVICE, dtype)
+    v = torch.randn(B, Tk, Hkv, D, generator=g).to(DEVICE, dtype)
+    do = torch.randn(B, Tq, Hq, D, generator=g).to(DEVICE, dtype)
+    return q, k, v, do
+
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def check_against_reference(q, k, v, do, mask, dtype):
+    """Outputs, lse and all gradients against sdpa_dense run in fp32 on the same (rounded) inputs."""
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    o, lse = block_sparse_attention(q, k, v, mask, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ro, rlse = sdpa_dense(qf, kf, vf, mask, return_lse=True)
+    rdq, rdk, rdv = torch.autograd.grad(ro, (qf, kf, vf), do.float())
+    for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not x.isnan().any(), f"{name} has NaN"
+    assert torch.equal(lse.isinf(), rlse.isinf())
+    finite = rlse.isfinite()
+    assert rel_err(lse[finite], rlse[finite]) < 1e-5
+    tol = TOL[dtype]
+    for name, x, ref in (("o", o, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        err = rel_err(x, ref)
+        assert err < tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+    return o, lse, dq, dk, dv
+
+
+def dflash_rule(anchors, S, block_size, window, valid, b, t, kv):
+    """The DFlash mask for one (batch, query, key), written out from the definition."""
+    i = t // block_size
+    if valid is not None and not bool(valid[b, i]):
+        return False
+    a = int(anchors[b, i])
+    if kv < S:
+        return kv < a and (window is None or kv >= a - window)
+    return (kv - S) // block_size == i
+
+
+@pytest.mark.parametrize("window", [None, 3, 9], ids=lambda w: f"window{w}")
+def test_dflash_mask_matches_rule(window):
+    S, N, bs = 23, 6, 4
+    anchors = torch.tensor([[0, 22, 5, 6, 22, 1], [3, 3, 10, 0, 21, 9]])
+    valid = torch.tensor([[True] * 6, [True, False, True, True, True, False]])
+    mask = dflash_block_mask(anchors, S, bs, window=window, valid=valid, kv_tile=16)
+    dense = dense_mask(mask)
+    assert dense.shape == (2, N * bs, S + N * bs)
+    for b in range(2):
+        for t in range(N * bs):
+            for kv in range(S + N * bs):
+                assert bool(dense[b, t, kv]) == dflash_rule(anchors, S, bs, window, valid, b, t, kv), (b, t, kv)
+    assert int(mask.visible_pairs().sum()) == int(dense.sum())
+
+
+def test_reverse_index_lists_every_visible_tile():
+    S, N, bs, kv_tile = 37, 5, 4, 16
+    anchors = torch.tensor([[0, 36, 17, 16, 15]])
+    mask = dflash_block_mask(anchors, S, bs, window=20, kv_tile=kv_tile)
+    dense = dense_mask(mask)[0]
+    off, ent = mask.rev_offsets.tolist(), mask.rev_entries.tolist()
+    for n in range(len(off) - 1):
+        listed = ent[off[n]:off[n + 1]]
+        assert len({tuple(e) for e in listed}) == len(listed), n  # a (group, segment) pair once
+        groups = sorted({g for g, _ in listed})
+        want = [g for g in range(N) if dense[g * bs:(g + 1) * bs, n * kv_tile:(n + 1) * kv_tile].any()]
+        assert groups == want, n
+        assert [g for g, _ in listed] == sorted(g for g, _ in listed), n  # fixed summation order
+
+
+DFLASH_CASES = [
+    # B, S, N, bs, Hq, Hkv, window, dtype
+    pytest.param(2, 37, 5, 4, 4, 1, None, torch.float32, id="fp32-G4-S37"),
+    pytest.param(2, 37, 5, 4, 4, 1, None, torch.float16, id="fp16-G4-S37"),
+    pytest.param(2, 37, 5, 4, 4, 1, None, torch.bfloat16, id="bf16-G4-S37", marks=no_bf16_dot),
+    pytest.param(1, 45, 3, 16, 2, 2, None, torch.float16, id="fp16-G1-bs16-S45"),
+    pytest.param(1, 45, 3, 16, 2, 2, None, torch.bfloat16, id="bf16-G1-bs16-S45", marks=no_bf16_dot),
+    pytest.param(2, 50, 4, 8, 4, 1, 13, torch.float32, id="fp32-G4-window13"),
+    pytest.param(1, 29, 4, 4, 8, 2, 5, torch.float16, id="fp16-G4-Hkv2-window5"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,S,N,bs,Hq,Hkv,window,dtype", DFLASH_CASES)
+def test_dflash_attention(B, S, N, bs, Hq, Hkv, window, dtype):
+    g = torch.Generator().manual_seed(S)
+    anchors = torch.randint(0, S, (B, N), generator=g)
+    anchors[0, 0], anchors[0, -1] = 0, S - 1  # the extremes, and adjacent blocks below
+    if N > 2:
+        anchors[0, 1] = anchors[0, 2] - 1 if anchors[0, 2] > 0 else 1
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[-1, 1] = False  # a padding block: sees nothing
+    mask = dflash_block_mask(anchors.to(DEVICE), S, bs, window=window, valid=valid.to(DEVICE), kv_tile=16)
+    q, k, v, do = make_qkv(B, N * bs, S + N * bs, Hq, Hkv, 64, dtype, seed=S)
+    o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype)
+    pad = slice(bs, 2 * bs)
+    assert (o[-1, pad] == 0).all() and (dq[-1, pad] == 0).all()
+    assert torch.isneginf(lse[-1, :, pad]).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("q_block,Hq,Hkv", [(16, 2, 1), (32, 1, 1)], ids=["qblock16-G2", "qblock32-G1"])
+def test_causal_attention_matches_sdpa_causal(q_block, Hq, Hkv):
+    Tq = 45
+    mask = causal_block_mask(Tq, q_block=q_block, kv_tile=16, device=DEVICE)
+    q, k, v, do = make_qkv(1, Tq, Tq, Hq, Hkv, 64, torch.float32, seed=1)
+    o = block_sparse_attention(q, k, v, mask)
+    ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(Hq // Hkv, 2).transpose(1, 2),
+                                         v.repeat_interleave(Hq // Hkv, 2).transpose(1, 2), is_causal=True)
+    assert rel_err(o, ref.transpose(1, 2)) < 1e-5
+    check_against_reference(q, k, v, do, mask, torch.float32)
+
+
+@needs_kernels
+def test_from_flex_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def sliding_causal(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 20)
+
+    Tq, Tk = 45, 50
+    block_mask = create_block_mask(sliding_causal, None, None, Tq, Tk, device=DEVICE, BLOCK_SIZE=16)
+    mask = from_flex_block_mask(block_mask, kv_tile=16)
+    t = torch.arange(Tq, device=DEVICE)[:, None]
+    kv = torch.arange(Tk, device=DEVICE)[None, :]
+    assert torch.equal(dense_mask(mask)[0], sliding_causal(0, 0, t, kv))
+    q, k, v, do = make_qkv(2, Tq, Tk, 2, 1, 64, torch.float32, seed=2)
+    check_against_reference(q, k, v, do, mask, torch.float32)
+
+
+@needs_kernels
+def test_backward_is_deterministic():
+    anchors = torch.tensor([[5, 30, 31, 2]], device=DEVICE)
+    mask = dflash_block_mask(anchors, 33, 4, kv_tile=16)
+    q, k, v, do = make_qkv(1, 16, 49, 4, 1, 64, torch.float16 if INTERPRET else torch.bfloat16, seed=3)
+    grads = []
+    for _ in range(2):
+        qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+        o = block_sparse_attention(qq, kk, vv, mask)
+        grads.append(torch.autograd.grad(o, (qq, kk, vv), do))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_bad_inputs():
+    anchors = torch.tensor([[0, 5]])
+    with pytest.raises(TypeError, match="anchors"):
+        dflash_block_mask(anchors.float(), 8)
+    with pytest.raises(ValueError, match="anchors"):
+        dflash_block_mask(anchors[0], 8)
+    with pytest.raises(ValueError, match=r"anchors\[0, 1\] = 8"):
+        dflash_block_mask(torch.tensor([[0, 8]]), 8)
+    with pytest.raises(ValueError, match="anchors"):
+        dflash_block_mask(torch.tensor([[-1, 2]]), 8)
+    dflash_block_mask(torch.tensor([[-1, 2]]), 8, valid=torch.tensor([[False, True]]))  # ignored when invalid
+    with pytest.raises(ValueError, match="valid"):
+        dflash_block_mask(anchors, 8, valid=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="valid"):
+        dflash_block_mask(anchors, 8, valid=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="window"):
+        dflash_block_mask(anchors, 8, window=0)
+    with pytest.raises(TypeError, match="context_len"):
+        dflash_block_mask(anchors, 8.0)
+
+    mask = dflash_block_mask(anchors, 8, 4)
+    q, k, v = torch.zeros(1, 8, 4, 64), torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64)
+    with pytest.raises(ValueError, match="head dim"):
+        block_sparse_attention(q[..., :32], k[..., :32], v[..., :32], mask)
+    with pytest.raises(ValueError, match="Hkv"):
+        block_sparse_attention(q, k[:, :, :1].expand(1, 16, 3, 64), v[:, :, :1].expand(1, 16, 3, 64), mask)
+    with pytest.raises(ValueError, match="mask"):
+        block_sparse_attention(q[:, :4], k, v, mask)
+    with pytest.raises(TypeError, match="mask"):
+        block_sparse_attention(q, k, v, torch.ones(8, 16, dtype=torch.bool))
+    with pytest.raises(TypeError, match="k, v"):
+        block_sparse_attention(q, k.half(), v, mask)
+    with pytest.raises(ValueError, match="memory_budget"):
+        sdpa_dense(q, k, v, mask, memory_budget=1000)
+
+
+@pytest.mark.parametrize("case", [
+    dict(B=1, S=3072, N=512, Hq=8, Hkv=2, window=None),
+    dict(B=1, S=4096, N=512, Hq=8, Hkv=2, window=2048),
+], ids=["S3072", "S4096-window2048"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_dflash_attention_gpu_sizes(case, dtype):
+    B, S, N, Hq, Hkv = case["B"], case["S"], case["N"], case["Hq"], case["Hkv"]
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.randint(0, S, (B, N), generator=g)
+    anchors[0, 0], anchors[0, 1], anchors[0, 2], anchors[0, -1] = 0, 100, 101, S - 1
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[0, -2] = False
+    mask = dflash_block_mask(anchors.cuda(), S, 16, window=case["window"], valid=valid.cuda())
+    q, k, v, do = make_qkv(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype)
+    check_against_reference(q, k, v, do, mask, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_dflash_mask_build_under_1ms_gpu():
+    anchors = torch.randint(0, 3072, (4, 512), device="cuda")
+    for _ in range(3):
+        dflash_block_mask(anchors, 3072)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dflash_block_mask(anchors, 3072)
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) / 10 * 1e3
+    assert ms < 1.0, f"mask build took {ms:.3f} ms"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+def test_threads_with_checkpoint_gpu():
+    """Three threads, fresh shapes, fwd+bwd under non-reentrant checkpoint: same results as one thread."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(S, N, seed):
+        g = torch.Generator().manual_seed(seed)
+        anchors = torch.randint(0, S, (2, N), generator=g).cuda()
+        mask = dflash_block_mask(anchors, S, 16)
+        q, k, v, do = make_qkv(2, N * 16, S + N * 16, 8, 2, 128, torch.bfloat16, seed=seed)
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        o = checkpoint(block_sparse_attention, q, k, v, mask, use_reentrant=False)
+        o.backward(do)
+        torch.cuda.synchronize()
+        return [x.clone() for x in (o, q.grad, k.grad, v.grad)]
+
+    shapes = [(1000 + 37 * i, 40 + i, i) for i in range(3)]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            results[i] = run(*shapes[i])
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
+    for i in range(3):
+        for a, b in zip(results[i], run(*shapes[i])):
+            assert torch.equal(a, b)

@@ -1,0 +1,226 @@
+"""The runtime: per-key compile cache under threads, strict mode, tuning persistence, precompile, backends."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import dflash_kernels as dk
+from dflash_kernels.runtime import backends, tuning
+from dflash_kernels.runtime.kernel import all_kernels
+from tests.helpers import device
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _conv_keys():
+    return {k: v for k, v in dk.cache_info().items() if k[0].startswith("causal_conv1d")}
+
+
+def _workload(i):
+    """A mix of shapes and dtypes: several threads share each key, every thread has a fresh one too."""
+    dtype = [torch.float32, torch.bfloat16][i % 2]
+    W = [2, 3, 4][i % 3]
+    T = [9, 40, 130][i % 3]
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(2, 6, T, generator=g).to(device(), dtype)
+    w = torch.randn(6, W, generator=g).to(device(), dtype)
+    return x, w
+
+
+def _run(i):
+    x, w = _workload(i)
+    x.requires_grad_()
+    y = dk.causal_conv1d(x, w, activation="silu" if i % 4 < 2 else None)
+    (gx,) = torch.autograd.grad(y.float().square().sum(), x)
+    return y.detach(), gx
+
+
+def test_threads_cold_cache_compile_each_key_once():
+    n_threads = 8
+    dk.reset_cache()
+    expected = [_run(i) for i in range(n_threads)]  # single-threaded results
+    single_keys = set(_conv_keys())
+    dk.reset_cache()
+    assert not _conv_keys()
+
+    barrier = threading.Barrier(n_threads)
+    results, errors = [None] * n_threads, []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = _run(i)
+        except BaseException as e:  # noqa: BLE001 - collected and reported below
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not any(t.is_alive() for t in threads), "a worker thread hung"
+    assert not errors, errors
+    for i, ((y, gx), (y_ref, gx_ref)) in enumerate(zip(results, expected)):
+        assert torch.equal(y, y_ref), f"thread {i}: output differs from the single-threaded run"
+        assert torch.equal(gx, gx_ref), f"thread {i}: gradient differs from the single-threaded run"
+    info = _conv_keys()
+    assert set(info) == single_keys, "threads compiled a different set of keys than one thread"
+    assert all(v["compiles"] == 1 for v in info.values()), {k: v["compiles"] for k, v in info.items()}
+    # The workload repeats keys across threads (8 threads, fewer distinct keys): some were cache hits.
+    assert len(info) < 2 * n_threads
+    assert sum(v["hits"] for v in info.values()) > 0
+
+
+def test_variable_length_reuses_one_kernel_per_bucket():
+    dk.reset_cache()
+    w = torch.randn(4, 4, device=device())
+    for T in (33, 40, 50, 64):  # one bucket: next power of two is 64
+        dk.causal_conv1d(torch.randn(1, 4, T, device=device()), w)
+    fwd = [k for k in _conv_keys() if k[0] == "causal_conv1d_fwd"]
+    assert len(fwd) == 1, fwd
+
+
+def test_strict_mode_raises_on_miss_and_allows_hits():
+    dk.reset_cache()
+    x, w = torch.randn(1, 4, 20, device=device()), torch.randn(4, 4, device=device())
+    dk.causal_conv1d(x, w)  # compiled outside strict mode
+    with dk.strict():
+        dk.causal_conv1d(x, w)  # a hit is fine
+        with pytest.raises(dk.KernelCacheMiss, match="causal_conv1d_fwd"):
+            dk.causal_conv1d(x, w, activation="silu")  # a new constexpr: a miss
+    dk.causal_conv1d(x, w, activation="silu")  # outside again: compiles
+
+
+def test_strict_mode_env_var():
+    code = ("import torch, dflash_kernels as dk\n"
+            "try:\n    dk.causal_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4))\n"
+            "except dk.KernelCacheMiss as e:\n    print('MISS', e)\n")
+    env = {**os.environ, "DFLASH_KERNELS_STRICT": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert "MISS" in out.stdout and "causal_conv1d_fwd" in out.stdout, out.stdout + out.stderr
+
+
+def test_precompile_then_strict():
+    dk.reset_cache()
+    report = dk.precompile([("conv1d", dict(B=1, D=8, T=48, W=4), torch.float32)], devices=[device()],
+                           verbose=False)
+    assert report["keys"], report
+    assert {k[0] for k in report["keys"]} == {"causal_conv1d_fwd", "causal_conv1d_bwd"}
+    assert report["items"][0]["new_keys"] == len(report["keys"])
+    with dk.strict():
+        x = torch.randn(1, 8, 40, device=device(), requires_grad=True)  # same bucket as T=48
+        w = torch.randn(8, 4, device=device(), requires_grad=True)
+        b = torch.randn(8, device=device(), requires_grad=True)
+        dk.causal_conv1d(x, w, b, "silu").sum().backward()
+    with pytest.raises(ValueError, match="specs: unknown op 'nope'"):
+        dk.precompile([("nope", {}, torch.float32)], devices=[device()])
+
+
+def test_tuning_store_persists_across_processes(tmp_path):
+    # Four processes write different entries at once; all survive, and a new process reads them.
+    code = ("import sys; from dflash_kernels.runtime import tuning\n"
+            "s = tuning.TuningStore(sys.argv[1])\n"
+            "for j in range(20):\n"
+            "    s.put(-1, f'k{sys.argv[2]}-{j}', {'config': {'BT': j}, 'ms': 1.0})\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(i)], cwd=REPO) for i in range(4)]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    path = tuning.TuningStore(str(tmp_path)).path(-1)
+    data = json.load(open(path))
+    assert len(data) == 80
+    assert tuning.TuningStore(str(tmp_path)).get(-1, "k3-19") == {"config": {"BT": 19}, "ms": 1.0}
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")], "temporary files left behind"
+
+
+def test_backend_selection_and_errors(monkeypatch):
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="name: unknown backend 'fast'"):
+        dk.set_backend("conv1d", "fast")
+    with pytest.raises(ValueError, match="op: unknown op 'conv2d'"):
+        dk.set_backend("conv2d", "triton")
+    try:
+        dk.set_backend("conv1d", "triton")
+        with pytest.raises(dk.BackendUnavailable, match="'triton'"):
+            dk.causal_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4))
+        dk.set_backend("conv1d", "reference")
+        assert backends.resolve("conv1d", cpu) == "reference"
+        y = dk.causal_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4))
+        assert y.shape == (1, 4, 8)
+    finally:
+        dk.set_backend("conv1d", "auto")
+    monkeypatch.setenv("DFLASH_KERNELS_BACKEND", "conv1d=reference")
+    assert backends.resolve("conv1d", cpu) == "reference"
+    monkeypatch.setenv("DFLASH_KERNELS_BACKEND", "conv1d=causal_conv1d")
+    if not backends._peer_available("causal_conv1d"):
+        with pytest.raises(dk.BackendUnavailable, match=r"pip install 'dflash_kernels\[peers\]'"):
+            backends.resolve("conv1d", cpu)
+    monkeypatch.delenv("DFLASH_KERNELS_BACKEND")
+    report = dk.backends()
+    assert report["conv1d"]["configured"] == "auto"
+    assert "reference" in report["conv1d"]["available"]
+
+
+def test_cache_info_fields_and_reset():
+    dk.reset_cache()
+    x, w = torch.randn(1, 4, 20, device=device()), torch.randn(4, 4, device=device())
+    for _ in range(3):
+        dk.causal_conv1d(x, w)
+    (key, entry), = [(k, v) for k, v in _conv_keys().items() if k[0] == "causal_conv1d_fwd"]
+    assert entry["compiles"] == 1 and entry["hits"] == 2
+    assert {"compile_s", "tune_s", "config", "tuned_from"} <= set(entry)
+    dk.reset_cache()
+    assert not _conv_keys()
+    assert any(k.name == "causal_conv1d_fwd" for k in all_kernels())
+
+
+@pytest.mark.gpu
+def test_gpu_tuning_persisted_second_process_does_not_tune(tmp_path):
+    code = ("import torch, dflash_kernels as dk\n"
+            "dk.causal_conv1d(torch.randn(2, 512, 1000, device='cuda'), torch.randn(512, 4, device='cuda'))\n"
+            "print(sorted({v['tuned_from'] for k, v in dk.cache_info().items()}))\n")
+    env = {**os.environ, "DFLASH_KERNELS_CACHE_DIR": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    second = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
+    assert "timed" in first.stdout, first.stdout + first.stderr
+    assert "['disk']" in second.stdout, second.stdout + second.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_threads_on_fresh_shapes_fwd_bwd():
+    # 8 threads, one GPU, fresh shapes (cold cache, tuning on): no error, results equal one thread.
+    dk.reset_cache()
+    shapes = [(1, 256 + 64 * i, 1000 + 333 * i) for i in range(8)]
+
+    def run(shape, dtype):
+        g = torch.Generator(device="cuda").manual_seed(shape[2])
+        x = torch.randn(*shape, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+        w = torch.randn(shape[1], 4, device="cuda", dtype=dtype, generator=g, requires_grad=True)
+        y = dk.causal_conv1d(x, w, activation="silu")
+        gx, gw = torch.autograd.grad(y.float().square().sum(), (x, w))
+        torch.cuda.synchronize()
+        return y.detach(), gx, gw
+
+    barrier = threading.Barrier(len(shapes))
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            barrier.wait()
+            results[i] = run(shapes[i], [torch.bfloat16, torch.float16][i % 2])
+        except BaseException as e:  # noqa: BLE001
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(shapes))]
+    [t.start() for t in threads]
+    [t.join(timeout=900) for t in threads]
+    assert not any(t.is_alive() for t in threads) and not errors, errors
+    for i, shape in enumerate(shapes):
+        ref = run(shape, [torch.bfloat16, torch.float16][i % 2])
+        for a, b in zip(results[i], ref):
+            assert torch.equal(a, b), f"thread {i}"
+    assert all(v["compiles"] == 1 for v in _conv_keys().values())
