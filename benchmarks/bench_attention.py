@@ -60,7 +60,9 @@ def _bench_shape(s, device, quick, with_flex):
     B, S, N, Hq, Hkv, D, W = s["B"], s["S"], s["N"], s["Hq"], s["Hkv"], s["D"], s["window"]
     Tq, Tk = N * BLOCK, S + N * BLOCK
     g = torch.Generator().manual_seed(0)
-    anchors = torch.randint(0, S, (B, N), generator=g).to(device)
+    # Sorted, as a trainer samples anchor positions along a sequence. (Our kernels do the same work
+    # either way; flex's 128-row tiles mix blocks of distant anchors when they are unsorted.)
+    anchors = torch.sort(torch.randint(0, S, (B, N), generator=g), dim=1).values.to(device)
     q = torch.randn(B, Tq, Hq, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(B, Tk, Hkv, D, device=device, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(B, Tk, Hkv, D, device=device, dtype=torch.bfloat16, requires_grad=True)

@@ -55,13 +55,19 @@ def _names(op):
 
 
 def set_backend(op: str, name: str) -> None:
-    """Run ``op`` with backend ``name`` from now on, in every thread (``auto`` restores the default)."""
+    """Run ``op`` with backend ``name`` from now on, in every thread.
+
+    ``auto`` drops the override: the environment's choice applies again, else automatic selection.
+    """
     if op not in _ops:
         raise ValueError(f"op: unknown op {op!r}; known ops: {sorted(_ops)}")
     if name not in _names(op):
         raise ValueError(f"name: unknown backend {name!r} for op {op!r}; choose one of {list(_names(op))}")
     with _lock:
-        _chosen[op] = name
+        if name == "auto":
+            _chosen.pop(op, None)
+        else:
+            _chosen[op] = name
 
 
 def get_backend(op: str) -> str:

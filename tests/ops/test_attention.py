@@ -122,14 +122,20 @@ def test_reverse_index_lists_every_visible_tile():
     anchors = torch.tensor([[0, 36, 17, 16, 15]])
     mask = dflash_block_mask(anchors, S, bs, window=20, kv_tile=kv_tile)
     dense = dense_mask(mask)[0]
-    off, ent = mask.rev_offsets.tolist(), mask.rev_entries.tolist()
+    off, n_full, ent = mask.rev_offsets.tolist(), mask.rev_full.tolist(), mask.rev_entries.tolist()
     for n in range(len(off) - 1):
         listed = ent[off[n]:off[n + 1]]
         assert len({tuple(e) for e in listed}) == len(listed), n  # a (group, segment) pair once
         groups = sorted({g for g, _ in listed})
-        want = [g for g in range(N) if dense[g * bs:(g + 1) * bs, n * kv_tile:(n + 1) * kv_tile].any()]
+        tile = slice(n * kv_tile, (n + 1) * kv_tile)
+        want = [g for g in range(N) if dense[g * bs:(g + 1) * bs, tile].any()]
         assert groups == want, n
-        assert [g for g, _ in listed] == sorted(g for g, _ in listed), n  # fixed summation order
+        full, part = listed[:n_full[n]], listed[n_full[n]:]
+        for g, _ in full:  # listed as unmasked: the group sees the whole key tile
+            assert dense[g * bs:(g + 1) * bs, tile].all() and (n + 1) * kv_tile <= dense.shape[1], (n, g)
+        for part_ in (full, part):  # fixed summation order
+            assert [g for g, _ in part_] == sorted(g for g, _ in part_), n
+    assert sum(n_full) > 0
 
 
 DFLASH_CASES = [

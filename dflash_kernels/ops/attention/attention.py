@@ -6,15 +6,14 @@ import torch
 import triton
 
 from dflash_kernels.ops.attention import kernels
-from dflash_kernels.ops.attention.mask import BlockSparseMask
-from dflash_kernels.runtime import Config, TritonKernel, register_op, resolve
+from dflash_kernels.ops.attention.mask import BlockSparseMask, dflash_block_mask
+from dflash_kernels.runtime import Config, TritonKernel, register_op, register_precompile, resolve
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd"]
 
 HEAD_DIMS = (64, 128, 256)
 LOG2E = math.log2(math.e)  # the kernels take the softmax scale premultiplied by it (they use exp2)
-_MAX_ROWS = 128  # rows of one tile (positions x packed heads): keeps the fp32 accumulator in registers
 
 _row_configs = [
     Config(BN=64, num_warps=4, num_stages=2),
@@ -22,6 +21,7 @@ _row_configs = [
     Config(BN=128, num_warps=8, num_stages=2),
     Config(BN=64, num_warps=8, num_stages=3),
     Config(BN=128, num_warps=4, num_stages=2),
+    Config(BN=32, num_warps=4, num_stages=2),  # D=256: the only shared-memory fit for the backward
 ]
 attn_fwd_kernel = TritonKernel(kernels._attn_fwd_kernel, name="block_sparse_attn_fwd", configs=_row_configs,
                                interpret_config=Config(BN=16))
@@ -38,11 +38,16 @@ attn_bwd_preprocess_kernel = TritonKernel(kernels._attn_bwd_preprocess_kernel, n
                                           configs=[Config(BT=64, num_warps=4)], interpret_config=Config(BT=16))
 
 
-def _row_tiling(q_block: int, G: int):
-    """Heads per tile (GH, a divisor of G) and tile rows (BM): as many heads as fit in _MAX_ROWS."""
+def _row_tiling(q_block: int, G: int, D: int):
+    """Heads per tile (GH, a divisor of G) and tile rows (BM): as many heads as fit in a tile.
+
+    At most 128 rows (64 for D=256) keeps the fp32 [BM, D] accumulator in registers and the
+    backward's q / do tiles in shared memory.
+    """
+    max_rows = 128 if D <= 128 else 64
     GH = 1
     for d in range(1, G + 1):
-        if G % d == 0 and q_block * d <= _MAX_ROWS:
+        if G % d == 0 and q_block * d <= max_rows:
             GH = d
     BM = max(16, triton.next_power_of_2(q_block * GH))
     return GH, BM
@@ -52,7 +57,7 @@ def _common(q, k, segments, q_block, tile_width, tiles):
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    GH, BM = _row_tiling(q_block, G)
+    GH, BM = _row_tiling(q_block, G, D)
     MB, NG, MS, _ = segments.shape
     meta = dict(D=D, G=G, GH=GH, BQ=q_block, BM=BM, TW=tile_width, HAS_TILES=tiles.shape[0] > 0,
                 DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
@@ -78,7 +83,7 @@ def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scal
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_entries,
+def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries,
                   q_block, kv_tile, tile_width, scale):
     """Launch the backward: delta = rowsum(o * do), then dq (per row tile) and dk, dv (per key tile)."""
     B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta = _common(q, k, segments, q_block, tile_width, tiles)
@@ -100,7 +105,7 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
         bucket=_bucket(Tq, Tk), **meta)
     NKV = triton.cdiv(Tk, kv_tile)
     attn_bwd_dkdv_kernel(
-        (NKV, B * Hkv), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_entries, tiles,
+        (NKV, B * Hkv), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full, rev_entries, tiles,
         Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, *strides, scale * LOG2E, scale,
         bucket=_bucket(Tq, Tk), BN=kv_tile, **meta)
     return dq, dk, dv
@@ -108,13 +113,14 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
 
 @torch.library.custom_op("dflash_kernels::block_sparse_attn_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
-            seg_count: torch.Tensor, tiles: torch.Tensor, rev_offsets: torch.Tensor, rev_entries: torch.Tensor,
+            seg_count: torch.Tensor, tiles: torch.Tensor, rev_offsets: torch.Tensor, rev_full: torch.Tensor,
+            rev_entries: torch.Tensor,
             q_block: int, kv_tile: int, tile_width: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, segments, seg_count, tiles, rev_offsets, rev_entries, q_block, kv_tile, tile_width, scale):
+def _(q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile, tile_width, scale):
     B, Tq, Hq, _ = q.shape
     return torch.empty_like(q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
@@ -122,29 +128,30 @@ def _(q, k, v, segments, seg_count, tiles, rev_offsets, rev_entries, q_block, kv
 @torch.library.custom_op("dflash_kernels::block_sparse_attn_bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
             lse: torch.Tensor, segments: torch.Tensor, seg_count: torch.Tensor, tiles: torch.Tensor,
-            rev_offsets: torch.Tensor, rev_entries: torch.Tensor, q_block: int, kv_tile: int,
+            rev_offsets: torch.Tensor, rev_full: torch.Tensor,
+            rev_entries: torch.Tensor, q_block: int, kv_tile: int,
             tile_width: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return attention_bwd(do.contiguous(), q, k, v, o, lse, segments, seg_count, tiles, rev_offsets,
-                         rev_entries, q_block, kv_tile, tile_width, scale)
+                         rev_full, rev_entries, q_block, kv_tile, tile_width, scale)
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_entries, q_block, kv_tile,
+def _(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile,
       tile_width, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, seg_count, tiles, rev_offsets, rev_entries, q_block, kv_tile, tile_width, scale = inputs
+    q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile, tile_width, scale = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_entries)
+    ctx.save_for_backward(q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries)
     ctx.meta = (q_block, kv_tile, tile_width, scale)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, dlse):
     dq, dk, dv = _bwd_op(do, *ctx.saved_tensors, *ctx.meta)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -208,6 +215,22 @@ def block_sparse_attention(q, k, v, mask, scale=None, return_lse=False):
         out = sdpa_dense(q, k, v, mask, scale=scale, return_lse=True)
     else:
         out = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
-                      mask.tiles, mask.rev_offsets, mask.rev_entries, mask.q_block, mask.kv_tile,
+                      mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries, mask.q_block, mask.kv_tile,
                       mask.tile_width, scale)
     return out if return_lse else out[0]
+
+
+@register_precompile("attention")
+def _precompile_attention(shape: dict, dtype, device, backward: bool):
+    """Run the DFlash-mask attention once: ``shape`` has B, S, N, Hq, Hkv, D and optionally
+    ``block_size`` (16) and ``window``. Kernels are cached per power-of-two bucket of Tq and Tk."""
+    B, S, N, Hq, Hkv, D = (shape[n] for n in ("B", "S", "N", "Hq", "Hkv", "D"))
+    bs = shape.get("block_size", 16)
+    anchors = torch.sort(torch.randint(0, S, (B, N), device=device), dim=1).values
+    mask = dflash_block_mask(anchors, S, bs, window=shape.get("window"))
+    q = torch.randn(B, N * bs, Hq, D, device=device, dtype=dtype, requires_grad=backward)
+    k, v = (torch.randn(B, S + N * bs, Hkv, D, device=device, dtype=dtype, requires_grad=backward)
+            for _ in range(2))
+    o = block_sparse_attention(q, k, v, mask)
+    if backward:
+        o.backward(torch.randn_like(o))

@@ -254,8 +254,36 @@ def _dkdv_step(dk, dv, kt, vt, q, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile
     return dk, dv
 
 
+@triton.jit
+def _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_start, e_stop,
+                  b64, bm, kvh, kv, n0, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
+                  stride_dob, stride_dot, stride_doh, qk_scale,
+                  D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr,
+                  TW: tl.constexpr, HAS_TILES: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    NC: tl.constexpr = G // GH
+    r = tl.arange(0, BM)
+    for e in range(e_start, e_stop):
+        g = tl.load(rev_entries + 2 * e)
+        s_i = tl.load(rev_entries + 2 * e + 1)
+        seg = segments + ((bm.to(tl.int64) * NG + g) * MS + s_i) * 4
+        lo = tl.load(seg)
+        hi = tl.load(seg + 1)
+        shift = tl.load(seg + 2)
+        tile = tl.load(seg + 3)
+        q0 = g * BQ
+        t = q0 + r // GH
+        row_ok = (r < BQ * GH) & (t < Tq)
+        for c in tl.static_range(NC):
+            h = kvh * G + c * GH + r % GH
+            qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb,
+                                            stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, D)
+            dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
+                                  tiles, qk_scale, BQ, TW, HAS_TILES, MASK, DOT_PREC)
+    return dka, dva
+
+
 @triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB", "NKV"])
-def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_entries, tiles,
+def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full, rev_entries, tiles,
                           Tq, Tk, NG, MS, MB, NKV, Hq, Hkv,
                           stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                           stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
@@ -264,8 +292,8 @@ def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets
                           BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
                           DOT_PREC: tl.constexpr, BN: tl.constexpr):
     """dk, dv of one BN-key tile of one kv head, summed over the row tiles that the reverse index lists
-    for it, in the index's fixed order (no atomics: deterministic). dk/dv have k's / v's strides."""
-    NC: tl.constexpr = G // GH
+    for it, in the index's fixed order (no atomics: deterministic). The index lists the row tiles that
+    see the whole key tile first: they run without any element mask. dk/dv have k's / v's strides."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // Hkv
@@ -282,32 +310,18 @@ def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets
                  mask=kv_ok[:, None], other=0.0)
     dka = tl.zeros([BN, D], tl.float32)
     dva = tl.zeros([BN, D], tl.float32)
-    r = tl.arange(0, BM)
     key_tile = bm.to(tl.int64) * NKV + pid_n
     e_start = tl.load(rev_offsets + key_tile)
+    e_mid = e_start + tl.load(rev_full + key_tile)
     e_stop = tl.load(rev_offsets + key_tile + 1)
-    for e in range(e_start, e_stop):
-        g = tl.load(rev_entries + 2 * e)
-        s_i = tl.load(rev_entries + 2 * e + 1)
-        seg = segments + ((bm.to(tl.int64) * NG + g) * MS + s_i) * 4
-        lo = tl.load(seg)
-        hi = tl.load(seg + 1)
-        shift = tl.load(seg + 2)
-        tile = tl.load(seg + 3)
-        q0 = g * BQ
-        full = (tile < 0) & (n0 >= lo) & (n0 + BN <= hi) & (n0 + BN - 1 <= q0 + shift)
-        t = q0 + r // GH
-        row_ok = (r < BQ * GH) & (t < Tq)
-        for c in tl.static_range(NC):
-            h = kvh * G + c * GH + r % GH
-            qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb,
-                                            stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, D)
-            if full:
-                dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
-                                      tiles, qk_scale, BQ, TW, HAS_TILES, False, DOT_PREC)
-            else:
-                dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
-                                      tiles, qk_scale, BQ, TW, HAS_TILES, True, DOT_PREC)
+    dka, dva = _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_start, e_mid,
+                             b64, bm, kvh, kv, n0, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
+                             stride_dob, stride_dot, stride_doh, qk_scale,
+                             D, G, GH, BQ, BM, TW, HAS_TILES, False, DOT_PREC)
+    dka, dva = _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_mid, e_stop,
+                             b64, bm, kvh, kv, n0, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
+                             stride_dob, stride_dot, stride_doh, qk_scale,
+                             D, G, GH, BQ, BM, TW, HAS_TILES, True, DOT_PREC)
     dk_ptrs = dk + b64 * stride_kb + kv[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
     dv_ptrs = dv + b64 * stride_vb + kv[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
     tl.store(dk_ptrs, (dka * sm_scale).to(dk.dtype.element_ty), mask=kv_ok[:, None])

@@ -47,7 +47,8 @@ class BlockSparseMask:
     seg_count: torch.Tensor  # int32 [MB, NG]: live segments of each group (the first seg_count)
     tiles: torch.Tensor  # uint8 [NT, q_block, tile_width]: element masks of partial blocks (NT may be 0)
     rev_offsets: torch.Tensor  # int32 [MB * NKV + 1]: CSR offsets of key tile (b, n) into rev_entries
-    rev_entries: torch.Tensor  # int32 [E, 2]: (group, segment) reaching each key tile, by group
+    rev_full: torch.Tensor  # int32 [MB * NKV]: how many of a key tile's entries need no element mask
+    rev_entries: torch.Tensor  # int32 [E, 2]: (group, segment) per key tile: unmasked first, by group
     q_len: int  # Tq: query positions covered
     kv_len: int  # Tk: key positions covered
     q_block: int  # positions per query group
@@ -68,7 +69,7 @@ class BlockSparseMask:
 
     def to(self, device) -> "BlockSparseMask":
         move = {f: getattr(self, f).to(device) for f in
-                ("segments", "seg_count", "tiles", "rev_offsets", "rev_entries")}
+                ("segments", "seg_count", "tiles", "rev_offsets", "rev_full", "rev_entries")}
         return BlockSparseMask(**move, q_len=self.q_len, kv_len=self.kv_len, q_block=self.q_block,
                                kv_tile=self.kv_tile, tile_width=self.tile_width)
 
@@ -107,7 +108,7 @@ def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile):
     dev = segments.device
     MB, NG, MS, _ = segments.shape
     NKV = -(-kv_len // kv_tile)
-    lo, hi, shift, _ = segments.long().unbind(-1)
+    lo, hi, shift, tile_id = segments.long().unbind(-1)
     q_last = torch.clamp(torch.arange(NG, device=dev) * q_block + q_block, max=q_len)[None, :, None] - 1
     hi_eff = torch.minimum(hi, q_last + shift + 1)  # the diagonal cuts keys no row of the group sees
     live = (torch.arange(MS, device=dev) < seg_count.long()[..., None]) & (hi_eff > lo)
@@ -118,22 +119,30 @@ def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile):
     tile = first.flatten()[src] + torch.arange(src.numel(), device=dev) - start[src]
     b, gs = src // (NG * MS), src % (NG * MS)
     key = b * NKV + tile
-    # `src` ascends with (b, group, segment); a stable sort keeps that order inside a key tile, so the
-    # dk/dv kernel sums groups in a fixed order: deterministic gradients without atomics.
-    key, order = torch.sort(key, stable=True)
-    gs = gs[order]
+    # A key tile needs no element mask for a segment that covers it and lies left of the diagonal of
+    # the group's first row (the same test as the kernels').
+    n0 = tile * kv_tile
+    q0 = (gs // MS) * q_block
+    full = ((tile_id.flatten()[src] < 0) & (n0 >= lo.flatten()[src]) & (n0 + kv_tile <= hi.flatten()[src])
+            & (n0 + kv_tile - 1 <= q0 + shift.flatten()[src]))
+    # Per key tile: the full entries first, then the masked ones, so the dk/dv kernel runs two
+    # branch-free loops. `src` ascends with (b, group, segment) and the sort is stable, so the kernel
+    # sums groups in a fixed order: deterministic gradients without atomics.
+    sort_key, order = torch.sort(key * 2 + (~full).long(), stable=True)
+    key, gs = sort_key // 2, gs[order]
     entries = torch.stack([gs // MS, gs % MS], 1).to(torch.int32).contiguous()
     counts = torch.bincount(key, minlength=MB * NKV)
     offsets = torch.zeros(MB * NKV + 1, dtype=torch.int32, device=dev)
     offsets[1:] = torch.cumsum(counts, 0)
-    return offsets, entries
+    n_full = torch.bincount(key[sort_key % 2 == 0], minlength=MB * NKV).to(torch.int32)
+    return offsets, n_full, entries
 
 
 def _finish(segments, seg_count, tiles, q_len, kv_len, q_block, kv_tile, tile_width):
     segments = segments.to(torch.int32).contiguous()
     seg_count = seg_count.to(torch.int32).contiguous()
-    offsets, entries = _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile)
-    return BlockSparseMask(segments, seg_count, tiles.contiguous(), offsets, entries, q_len=q_len,
+    offsets, n_full, entries = _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile)
+    return BlockSparseMask(segments, seg_count, tiles.contiguous(), offsets, n_full, entries, q_len=q_len,
                            kv_len=kv_len, q_block=q_block, kv_tile=kv_tile, tile_width=tile_width)
 
 

@@ -12,10 +12,10 @@ import torch
 import triton
 
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import _gdn_bwd_local_kernel, _gdn_bwd_state_kernel
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_output_kernel, _gdn_fwd_prep_kernel,
-                                                             _gdn_fwd_state_kernel)
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_output_kernel, _gdn_fwd_solve_kernel,
+                                                             _gdn_fwd_state_kernel, _gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import _l2norm_bwd_kernel, _l2norm_fwd_kernel
-from dflash_kernels.runtime import Config, TritonKernel, register_op, register_precompile, resolve
+from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd"]
@@ -33,10 +33,12 @@ _l2norm_fwd = TritonKernel(_l2norm_fwd_kernel, name="gdn_l2norm_fwd",
 _l2norm_bwd = TritonKernel(_l2norm_bwd_kernel, name="gdn_l2norm_bwd",
                            configs=[Config(BR=16, num_warps=4), Config(BR=32, num_warps=8)],
                            interpret_config=Config(BR=16))
-_fwd_prep = TritonKernel(_gdn_fwd_prep_kernel, name="gdn_fwd_prep",
-                         configs=[Config(BV=64, num_warps=4), Config(BV=32, num_warps=4),
-                                  Config(BV=64, num_warps=8)],
-                         interpret_config=Config(BV=16))
+_fwd_solve = TritonKernel(_gdn_fwd_solve_kernel, name="gdn_fwd_solve",
+                          configs=[Config(num_warps=4), Config(num_warps=2), Config(num_warps=8)])
+_fwd_wu = TritonKernel(_gdn_fwd_wu_kernel, name="gdn_fwd_wu",
+                       configs=[Config(BV=64, num_warps=4), Config(BV=32, num_warps=4),
+                                Config(BV=64, num_warps=8)],
+                       interpret_config=Config(BV=16))
 _fwd_state = TritonKernel(_gdn_fwd_state_kernel, name="gdn_fwd_state",
                           configs=[Config(BV=64, num_warps=4, num_stages=2), Config(BV=32, num_warps=4, num_stages=2),
                                    Config(BV=64, num_warps=8, num_stages=2), Config(BV=16, num_warps=4, num_stages=2)],
@@ -83,8 +85,8 @@ def l2norm_fwd(x: torch.Tensor):
     """x [..., D] -> (x / ||x||, rstd fp32 [...])."""
     D = x.shape[-1]
     R = x.numel() // D
-    y = torch.empty_like(x)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    y = alloc.empty_like(x)
+    rstd = alloc.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     _l2norm_fwd(lambda m: (triton.cdiv(R, m["BR"]),), x, y, rstd, R, L2NORM_EPS,
                 bucket=_bucket(R), D=D, BD=_block(D))
     return y, rstd
@@ -93,7 +95,7 @@ def l2norm_fwd(x: torch.Tensor):
 def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype):
     D = x.shape[-1]
     R = x.numel() // D
-    dx = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    dx = alloc.empty(x.shape, dtype=out_dtype, device=x.device)
     _l2norm_bwd(lambda m: (triton.cdiv(R, m["BR"]),), x, rstd, dy.contiguous(), dx, R,
                 bucket=_bucket(R), D=D, BD=_block(D))
     return dx
@@ -106,16 +108,18 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
     N, n_chunks, cu, indices, offsets = layout
     load_a = A is not None
     if not load_a:
-        A = torch.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
-        gcum = torch.empty(B, T, Hv, dtype=torch.float32, device=k.device)
-    w = torch.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
-    u = torch.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
+        A = alloc.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
+        gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
+    w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
+    u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
     consts = dict(HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
-    _fwd_prep((n_chunks, Hv), k, v, g, beta, gcum, A, w, u, cu, indices, T,
-              bucket=_bucket(n_chunks), LOAD_A=load_a, **consts)
-    h = torch.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
-    v_new = torch.empty_like(u)
-    final_state = torch.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
+    if not load_a:
+        _fwd_solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, bucket=_bucket(n_chunks),
+                   HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    _fwd_wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=_bucket(n_chunks), **consts)
+    h = alloc.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
+    v_new = alloc.empty_like(u)
+    final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
     _fwd_state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), k, w, u, gcum, initial_state, h, v_new,
                final_state, cu, offsets, T, bucket=_bucket(N * Hv), HAS_H0=initial_state is not None, **consts)
     return A, gcum, w, h, v_new, final_state
@@ -131,7 +135,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     layout = _varlen_layout(cu_seqlens, B, T, q.device)
     n_chunks, cu, indices = layout[1], layout[2], layout[3]
     A, gcum, _, h, v_new, final_state = _wy_and_states(q, k, v, g, beta, initial_state, layout)
-    o = torch.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
+    o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     _fwd_output(lambda m: (triton.cdiv(V, m["BV"]), n_chunks, Hv), q, k, v_new, h, gcum, o, cu, indices, T, scale,
                 bucket=_bucket(n_chunks), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
     return o, final_state, A, gcum
@@ -152,20 +156,20 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     consts = dict(HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
 
     do = do.to(q.dtype).contiguous()
-    dh = torch.empty_like(h)
-    dv_new = torch.empty_like(v_new)
+    dh = alloc.empty_like(h)
+    dv_new = alloc.empty_like(v_new)
     has_h0 = initial_state is not None
-    dh0 = torch.empty(N, Hv, K, V, dtype=torch.float32, device=q.device) if has_h0 else None
+    dh0 = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=q.device) if has_h0 else None
     if dht is not None:
         dht = dht.float().contiguous()
     _bwd_state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, gcum, do, dht, dh, dv_new, dh0,
                cu, offsets, T, scale, bucket=_bucket(N * Hv), HAS_DHT=dht is not None, HAS_H0=has_h0, **consts)
 
-    dq = torch.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
-    dk = torch.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty(B, T, Hv, dtype=torch.float32, device=q.device)
-    dg = torch.empty(B, T, Hv, dtype=torch.float32, device=q.device)
+    dq = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
+    dk = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
+    dv = alloc.empty_like(v)
+    dbeta = alloc.empty(B, T, Hv, dtype=torch.float32, device=q.device)
+    dg = alloc.empty(B, T, Hv, dtype=torch.float32, device=q.device)
     _bwd_local((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv, dbeta, dg,
                cu, indices, T, scale, bucket=_bucket(n_chunks), **consts)
     if Hv != Hk:  # a query/key head serves Hv // Hk value heads: sum their gradients, in a fixed order
@@ -177,7 +181,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     else:
         dq, dk = dq.to(q_in.dtype), dk.to(k_in.dtype)
     if dh0 is None:
-        dh0 = torch.empty(0, dtype=torch.float32, device=q.device)
+        dh0 = alloc.empty(0, dtype=torch.float32, device=q.device)
     return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
 
 

@@ -1,0 +1,312 @@
+"""chunk_gated_delta_rule / fused_recurrent_gated_delta_rule against the literal fp32 recurrence.
+
+Outputs, final states and every gradient (q, k, v, g, beta, initial_state) are compared with
+``naive.py`` by relative error. On the CPU the kernels run through the Triton interpreter
+(TRITON_INTERPRET=1) at small sizes; tests marked ``gpu`` repeat them at real sizes on CUDA.
+Output buffers are NaN-poisoned by the suite (tests/conftest.py), so an unwritten element fails.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+from dflash_kernels.runtime import alloc, resolve
+from tests.helpers import device, rel_err
+
+
+def _interpreter_compat():
+    """Work around two Triton 3.6 interpreter bugs seen with numpy >= 2.4 (CPU test runs only).
+
+    1. Scalars are 1-element arrays and ``tensor.__index__`` calls ``int()`` on them, which numpy
+       deprecates (1.25) and then refuses: ``range(runtime_value)`` loops fail. 2. ``tl.dot`` on bf16 multiplies the raw
+    uint16 bit patterns. Exact fixes: ``.item()``, and widening bf16 to fp32 (products of bf16 values
+    are exact in fp32, so the result equals a bf16 dot with fp32 accumulation).
+    """
+    import triton.runtime.interpreter as interp
+
+    if getattr(interp, "_dflash_gdn_compat", False):
+        return
+    patch_tensor = interp._patch_lang_tensor
+
+    def _patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    interp._patch_lang_tensor = _patched
+    create_dot = interp.InterpreterBuilder.create_dot
+
+    def _widen(x):
+        if x.dtype == interp.tl.bfloat16:
+            return interp.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), interp.tl.float32)
+        return x
+
+    def _dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, _widen(a), _widen(b), d, input_precision, max_num_imprecise_acc)
+    interp.InterpreterBuilder.create_dot = _dot
+    interp._dflash_gdn_compat = True
+
+
+_interpreter_compat()
+
+
+@pytest.fixture(autouse=True)
+def _require_kernels():
+    backend = resolve("gdn", device())
+    if backend not in ("interpret", "triton"):
+        pytest.fail(f"gdn tests need the Triton kernels (interpreter on the CPU), got backend {backend!r}; "
+                    f"run with TRITON_INTERPRET=1")
+
+
+def _tol(dtype, grad=False):
+    """Bound on ||kernel - ref|| / ||ref||. fp32 on the GPU runs tl.dot in tf32 (10-bit mantissa);
+    bf16 inputs keep the per-chunk states, U and A's products in bf16 as fla does."""
+    if dtype == torch.float32:
+        return 5e-3 if device().type == "cuda" else 1e-4
+    return 5e-2 if grad else 3e-2
+
+
+def _inputs(B, T, Hk, Hv, K, V, dtype, h0=False, N=None, normalized=True):
+    dev = device()
+    q = torch.randn(B, T, Hk, K, device=dev, dtype=dtype)
+    k = torch.randn(B, T, Hk, K, device=dev, dtype=dtype)
+    if normalized:  # without the in-kernel l2norm, callers pass unit keys (the delta rule needs |k| <= 1)
+        k = F.normalize(k.float(), dim=-1).to(dtype)
+    v = torch.randn(B, T, Hv, V, device=dev, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, Hv, device=dev)).to(dtype) * 0.5
+    beta = torch.rand(B, T, Hv, device=dev, dtype=dtype)
+    state = torch.randn(N or B, Hv, K, V, device=dev) if h0 else None
+    return q, k, v, g, beta, state
+
+
+def _run(fn, tensors, kwargs, final, do, dht):
+    """Outputs and gradients of ``fn`` on leaf copies of ``tensors`` (None entries stay None)."""
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    q, k, v, g, beta, h0 = leaves
+    o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=final, **kwargs)
+    loss = (o.float() * do).sum()
+    if final:
+        loss = loss + (ht * dht).sum()
+    present = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(loss, present)
+    return o, ht, dict(zip([n for n, t in zip("q k v g beta h0".split(), leaves) if t is not None], grads))
+
+
+def _compare(tensors, kwargs, final, dtype):
+    q, k, v, g, beta, h0 = tensors
+    do = torch.randn(*v.shape, device=v.device)
+    N = h0.shape[0] if h0 is not None else (q.shape[0] if kwargs.get("cu_seqlens") is None
+                                             else kwargs["cu_seqlens"].numel() - 1)
+    dht = torch.randn(N, v.shape[2], q.shape[3], v.shape[3], device=v.device)
+    o, ht, grads = _run(chunk_gated_delta_rule, tensors, kwargs, final, do, dht)
+    ro, rht, rgrads = _run(naive_recurrent_gated_delta_rule, tensors, kwargs, final, do, dht)
+    assert o.dtype == q.dtype and o.shape == ro.shape
+    errors = {"o": rel_err(o, ro)}
+    if final:
+        assert ht.dtype == torch.float32 and ht.shape == rht.shape
+        errors["final_state"] = rel_err(ht, rht)
+    else:
+        assert ht is None
+    for name, grad in grads.items():
+        ref = [t for n, t in zip("q k v g beta h0".split(), tensors) if n == name][0]
+        assert grad.dtype == ref.dtype and grad.shape == ref.shape, name
+        errors["d" + name] = rel_err(grad, rgrads[name])
+    bad = {n: e for n, e in errors.items() if e > _tol(dtype, grad=n.startswith("d"))}
+    assert not bad, f"relative errors over {_tol(dtype)} / {_tol(dtype, True)}: {bad} (all: {errors})"
+
+
+# (id, B, T, Hk, Hv, K, V, dtype, l2norm, initial state, final state)
+CASES = [
+    ("T63-fp32-gqa-l2-h0", 2, 63, 1, 2, 16, 32, torch.float32, True, True, True),
+    ("T64-fp32-boundary", 1, 64, 1, 1, 16, 16, torch.float32, False, True, True),
+    ("T130-bf16-nol2", 1, 130, 2, 2, 32, 16, torch.bfloat16, False, False, False),
+    ("T128-bf16-gqa-l2-h0", 1, 128, 1, 2, 16, 16, torch.bfloat16, True, True, True),
+    ("T130-fp32-gqa-K32-h0", 1, 130, 1, 2, 32, 32, torch.float32, True, True, True),
+]
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
+    tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, normalized=not l2)
+    _compare(tensors, dict(use_qk_l2norm_in_kernel=l2), final, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chunk_varlen(dtype):
+    # Uneven packed sequences: shorter than a chunk, exactly one chunk, empty, off the boundary.
+    bounds = [0, 30, 94, 94, 160]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=device())
+    tensors = _inputs(1, bounds[-1], 1, 2, 16, 16, dtype, h0=True, N=len(bounds) - 1)
+    _compare(tensors, dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens), True, dtype)
+
+
+def test_chunk_scale_and_no_grad_state():
+    q, k, v, g, beta, _ = _inputs(1, 40, 1, 1, 16, 16, torch.float32)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, output_final_state=True)
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=0.3, output_final_state=True)
+    assert rel_err(o, ro) <= _tol(torch.float32) and rel_err(ht, rht) <= _tol(torch.float32)
+
+
+@pytest.mark.parametrize("dtype,cu", [(torch.float32, None), (torch.bfloat16, [0, 5, 5, 17])],
+                         ids=["fp32", "bf16-varlen"])
+def test_fused_recurrent(dtype, cu):
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.long, device=device())
+    B, T = (2, 9) if cu is None else (1, cu[-1])
+    N = B if cu is None else len(cu) - 1
+    q, k, v, g, beta, h0 = _inputs(B, T, 1, 2, 16, 32, dtype, h0=True, N=N)
+    kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    assert o.dtype == dtype
+    # fp32 state in registers, one rounding of the output: tighter than the chunked path
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(o, ro) <= tol and rel_err(ht, rht) <= tol
+
+
+def test_decode_continues_prefill():
+    """Prefill with the chunked scan, then decode token by token: same as one pass over everything."""
+    q, k, v, g, beta, _ = _inputs(1, 70, 1, 2, 16, 16, torch.float32)
+    o_all, h_all = naive_recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    _, h = chunk_gated_delta_rule(q[:, :67], k[:, :67], v[:, :67], g[:, :67], beta[:, :67], output_final_state=True)
+    for t in range(67, 70):
+        o, h = fused_recurrent_gated_delta_rule(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], g[:, t:t + 1],
+                                                beta[:, t:t + 1], initial_state=h, output_final_state=True)
+        assert rel_err(o, o_all[:, t:t + 1]) <= 1e-4
+    assert rel_err(h, h_all) <= 1e-4
+
+
+def _hf_chunk():
+    try:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    except Exception as e:  # not installed, or a version without Qwen3.5
+        pytest.skip(f"HF transformers' qwen3_5 torch_chunk_gated_delta_rule is not importable: {e!r}")
+    return torch_chunk_gated_delta_rule
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matches_hf_transformers(dtype):
+    hf_chunk = _hf_chunk()
+    q, k, v, g, beta, h0 = _inputs(2, 100, 1, 2, 16, 32, dtype, h0=True)
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+    ho, hht = hf_chunk(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    assert o.dtype == ho.dtype == dtype
+    assert rel_err(o, ho) <= _tol(dtype) and rel_err(ht, hht.float()) <= _tol(dtype)
+
+
+def test_outputs_are_poisoned_in_this_suite():
+    # The guarantee "an unwritten element fails" rests on the suite's NaN poisoning being on.
+    assert alloc.poisoning()
+
+
+def _bad(**overrides):
+    q, k, v, g, beta, h0 = _inputs(1, 8, 1, 2, 16, 16, torch.float32, h0=True)
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule],
+                         ids=["chunk", "recurrent"])
+@pytest.mark.parametrize("overrides,error,match", [
+    (dict(q=None), TypeError, "q: expected a tensor"),
+    (dict(k=torch.zeros(1, 8, 1, 8)), ValueError, r"k: expected the shape of q"),
+    (dict(q=torch.zeros(1, 8, 2, 16), k=torch.zeros(1, 8, 2, 16), v=torch.zeros(1, 8, 3, 16)), ValueError,
+     r"v: its head count Hv=3 must be a multiple of q/k's Hk=2"),
+    (dict(g=torch.zeros(1, 8, 1)), ValueError, r"g: expected shape \[B, T, Hv\]"),
+    (dict(beta=torch.zeros(1, 8, 2, 1)), ValueError, r"beta: expected 3 dimensions"),
+    (dict(q=torch.zeros(1, 8, 1, 16, dtype=torch.int32)), TypeError, "q: dtype torch.int32"),
+    (dict(k=torch.zeros(1, 8, 1, 16, dtype=torch.bfloat16)), TypeError, "k, v: dtypes must match"),
+    (dict(initial_state=torch.zeros(2, 2, 16, 16)), ValueError, r"initial_state: expected shape"),
+    (dict(scale="0.5"), TypeError, "scale: expected a float"),
+    (dict(cu_seqlens=torch.tensor([0, 5, 3, 8])), ValueError, "cu_seqlens: must rise from 0 to T=8"),
+    (dict(cu_seqlens=torch.tensor([0.0, 8.0])), TypeError, "cu_seqlens: expected a 1-D integer tensor"),
+    (dict(q=torch.zeros(1, 8, 1, 512), k=torch.zeros(1, 8, 1, 512)), ValueError, "at most 256"),
+])
+def test_bad_inputs(fn, overrides, error, match):
+    args = _bad(**overrides)
+    if "cu_seqlens" in overrides:
+        args["initial_state"] = None
+    with pytest.raises(error, match=match):
+        fn(**args)
+
+
+def test_varlen_needs_batch_one():
+    q, k, v, g, beta, _ = _inputs(2, 8, 1, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="q: with cu_seqlens the batch size must be 1"):
+        chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
+
+
+# ---------------------------------------------------------------- real sizes, on the GPU only
+
+GPU_CASES = [
+    ("T1000-bf16-l2-h0", 2, 1000, 4, 12, 128, 128, torch.bfloat16, True, True, True),
+    ("T500-fp32-gqa", 1, 500, 2, 6, 128, 64, torch.float32, True, True, True),
+    ("T4096-bf16-nostate", 1, 4096, 2, 6, 128, 128, torch.bfloat16, True, False, False),
+    ("T777-bf16-K256", 1, 777, 1, 2, 256, 256, torch.bfloat16, True, True, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", [c[1:] for c in GPU_CASES],
+                         ids=[c[0] for c in GPU_CASES])
+def test_gpu_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
+    tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, normalized=not l2)
+    _compare(tensors, dict(use_qk_l2norm_in_kernel=l2), final, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_varlen():
+    bounds = [0, 1, 700, 764, 2000, 2003]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=device())
+    tensors = _inputs(1, bounds[-1], 4, 12, 128, 128, torch.bfloat16, h0=True, N=len(bounds) - 1)
+    _compare(tensors, dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens), True, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_deterministic():
+    tensors = _inputs(1, 1000, 2, 6, 128, 128, torch.bfloat16, h0=True)
+    do = torch.randn(*tensors[2].shape, device=device())
+    dht = torch.randn(1, 6, 128, 128, device=device())
+    kwargs = dict(use_qk_l2norm_in_kernel=True)
+    _, _, first = _run(chunk_gated_delta_rule, tensors, kwargs, True, do, dht)
+    _, _, second = _run(chunk_gated_delta_rule, tensors, kwargs, True, do, dht)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.gpu
+def test_gpu_threads_on_fresh_shapes():
+    """Four threads, each on a shape no one compiled yet (cold cache), forward and backward."""
+    from dflash_kernels.runtime import reset_cache
+
+    reset_cache()
+    shapes = [(1, 300 + 37 * i, 2, 6, 128, 128) for i in range(4)]
+    inputs = [_inputs(*s, torch.bfloat16, h0=True) for s in shapes]
+    errors, results = [], [None] * len(shapes)
+
+    def work(i):
+        try:
+            tensors = inputs[i]
+            do = torch.randn(*tensors[2].shape, device=device())
+            dht = torch.randn(tensors[5].shape, device=device())
+            kwargs = dict(use_qk_l2norm_in_kernel=True)
+            results[i] = (_run(chunk_gated_delta_rule, tensors, kwargs, True, do, dht),
+                          _run(naive_recurrent_gated_delta_rule, tensors, kwargs, True, do, dht))
+            torch.cuda.synchronize()
+        except Exception as e:  # reported below with the thread's index
+            errors.append((i, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(shapes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (o, ht, grads), (ro, rht, rgrads) in results:
+        assert rel_err(o, ro) <= _tol(torch.bfloat16) and rel_err(ht, rht) <= _tol(torch.bfloat16)
+        for name in grads:
+            assert rel_err(grads[name], rgrads[name]) <= _tol(torch.bfloat16, grad=True), name
