@@ -29,7 +29,7 @@ backends.register_op(OP, peers={"causal_conv1d": "causal_conv1d"})
 
 _ACTIVATIONS = (None, "silu", "swish")
 _SEQ_DTYPES = (torch.int32, torch.int64)
-_BWD_CHUNK = 1024
+_BWD_CHUNK, _BWD_CHUNK_MIN = 1024, 256  # powers of two, multiples of every config's BT
 
 _fwd = TritonKernel(
     causal_conv1d_fwd_kernel, name="causal_conv1d_fwd",
@@ -103,15 +103,16 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu
     seq = seq_idx if seq_idx is not None else x
     df = dfinal if dfinal is not None else x
 
-    # Partial dweight/dbias rows, one per chunk of _BWD_CHUNK times (a multiple of every config's BT),
+    # Partial dweight/dbias rows, one per chunk of times (a multiple of every config's BT),
     # so the buffer's size does not depend on which config the tuner picks.
-    n_chunks = triton.cdiv(T, _BWD_CHUNK)
+    chunk = max(_BWD_CHUNK_MIN, min(_BWD_CHUNK, triton.next_power_of_2(T)))
+    n_chunks = triton.cdiv(T, chunk)
     dw_part = alloc.empty((B * n_chunks, D, W), device=x.device, dtype=torch.float32)
     db_part = alloc.empty((B * n_chunks, D), device=x.device, dtype=torch.float32) if bias is not None else dw_part
     dinit = alloc.empty((B, D, W - 1), device=x.device, dtype=init.dtype) if initial_states is not None else dw_part
     _bwd(lambda m: (n_chunks, triton.cdiv(D, m["BD"]), B), x, weight, bias if bias is not None else weight,
          seq, init, dy, df, dx, dw_part, db_part, dinit,
-         T, D, n_chunks, _BWD_CHUNK, x.stride(0), x.stride(1), x.stride(2),
+         T, D, n_chunks, chunk, x.stride(0), x.stride(1), x.stride(2),
          init.stride(0), init.stride(1), init.stride(2), seq.stride(0),
          df.stride(0), df.stride(1), df.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
          bucket=(_bucket(T, 1 << 16), _bucket(B * D, 1 << 20)),
