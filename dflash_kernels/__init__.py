@@ -18,8 +18,12 @@ from dflash_kernels.runtime import (  # noqa: E402
 )
 from dflash_kernels.runtime.backends import backends  # noqa: E402
 from dflash_kernels.ops.conv1d import causal_conv1d, causal_conv1d_update  # noqa: E402
+from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
+    chunk_gated_delta_rule,
+    fused_recurrent_gated_delta_rule,
+)
 
 __all__ = [
     "__version__", "BackendUnavailable", "KernelCacheMiss", "backends", "cache_info", "causal_conv1d",
-    "causal_conv1d_update", "get_backend", "precompile", "reset_cache", "set_backend", "strict",
+    "causal_conv1d_update", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "get_backend", "precompile", "reset_cache", "set_backend", "strict",
 ]

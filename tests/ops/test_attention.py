@@ -42,13 +42,17 @@ def poison_outputs(monkeypatch):
     """Every buffer the launchers allocate starts as NaN, so an element the kernels skip fails."""
     empty_like, empty = torch.empty_like, torch.empty
 
+    def poisoned(out):
+        if out.is_floating_point():
+            with torch.no_grad():
+                out.fill_(float("nan"))
+        return out
+
     def nan_empty_like(*args, **kwargs):
-        out = empty_like(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
+        return poisoned(empty_like(*args, **kwargs))
 
     def nan_empty(*args, **kwargs):
-        out = empty(*args, **kwargs)
-        return out.fill_(float("nan")) if out.is_floating_point() else out
+        return poisoned(empty(*args, **kwargs))
 
     monkeypatch.setattr(attention_module.torch, "empty_like", nan_empty_like)
     monkeypatch.setattr(attention_module.torch, "empty", nan_empty)
@@ -71,13 +75,13 @@ def make_qkv(B, Tq, Tk, Hq, Hkv, D, dtype, seed=0):
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def check_against_reference(q, k, v, do, mask, dtype):
+def check_against_reference(q, k, v, do, mask, dtype, memory_budget=1 << 30):
     """Outputs, lse and all gradients against sdpa_dense run in fp32 on the same (rounded) inputs."""
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     o, lse = block_sparse_attention(q, k, v, mask, return_lse=True)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ro, rlse = sdpa_dense(qf, kf, vf, mask, return_lse=True)
+    ro, rlse = sdpa_dense(qf, kf, vf, mask, return_lse=True, memory_budget=memory_budget)
     rdq, rdk, rdv = torch.autograd.grad(ro, (qf, kf, vf), do.float())
     for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not x.isnan().any(), f"{name} has NaN"
@@ -198,6 +202,27 @@ def test_from_flex_block_mask():
     check_against_reference(q, k, v, do, mask, torch.float32)
 
 
+@pytest.mark.skipif(not INTERPRET, reason="on the GPU the tuner picks the configs")
+def test_one_group_per_program(monkeypatch):
+    """The tests above run the stacked configs (two query groups / two index entries per step); here
+    the plain ones, on a window mask with a padding block."""
+    from dflash_kernels.runtime import Config
+    kernels = (attention_module.attn_fwd_kernel, attention_module.attn_bwd_dq_kernel,
+               attention_module.attn_bwd_dkdv_kernel)
+    for kern, cfg in zip(kernels, (Config(BN=16, GPB=1), Config(BN=16, GPB=1), Config(EPI=1))):
+        monkeypatch.setattr(kern, "interpret_config", cfg)
+        kern.reset()
+    try:
+        anchors = torch.tensor([[0, 30, 31, 12, 20]])
+        valid = torch.tensor([[True, True, True, False, True]])
+        mask = dflash_block_mask(anchors, 33, 4, window=17, valid=valid, kv_tile=16)
+        q, k, v, do = make_qkv(1, 20, 53, 4, 1, 64, torch.float32, seed=4)
+        check_against_reference(q, k, v, do, mask, torch.float32)
+    finally:
+        for kern in kernels:
+            kern.reset()
+
+
 @needs_kernels
 def test_backward_is_deterministic():
     anchors = torch.tensor([[5, 30, 31, 2]], device=DEVICE)
@@ -264,22 +289,22 @@ def test_dflash_attention_gpu_sizes(case, dtype):
     valid[0, -2] = False
     mask = dflash_block_mask(anchors.cuda(), S, 16, window=case["window"], valid=valid.cuda())
     q, k, v, do = make_qkv(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype)
-    check_against_reference(q, k, v, do, mask, dtype)
+    check_against_reference(q, k, v, do, mask, dtype, memory_budget=40 << 30)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
 def test_dflash_mask_build_under_1ms_gpu():
-    anchors = torch.randint(0, 3072, (4, 512), device="cuda")
+    anchors = torch.sort(torch.randint(0, 3072, (4, 512), device="cuda"), dim=1).values
     for _ in range(3):
         dflash_block_mask(anchors, 3072)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(10):
+    for _ in range(20):
         dflash_block_mask(anchors, 3072)
     torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / 10 * 1e3
-    assert ms < 1.0, f"mask build took {ms:.3f} ms"
+    ms = (time.perf_counter() - t0) / 20 * 1e3
+    assert ms < 1.0, f"mask build took {ms:.3f} ms (host wall time, range check included)"
 
 
 @pytest.mark.gpu

@@ -15,25 +15,29 @@ __all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd"]
 HEAD_DIMS = (64, 128, 256)
 LOG2E = math.log2(math.e)  # the kernels take the softmax scale premultiplied by it (they use exp2)
 
+# GPB: query groups stacked in one program (rows = GPB * BM). Two DFlash blocks x 4 heads make a
+# 128-row tile; their rows keep their own key ranges, masked only where those differ.
 _row_configs = [
-    Config(BN=64, num_warps=4, num_stages=2),
-    Config(BN=64, num_warps=4, num_stages=3),
-    Config(BN=128, num_warps=8, num_stages=2),
-    Config(BN=64, num_warps=8, num_stages=3),
-    Config(BN=128, num_warps=4, num_stages=2),
-    Config(BN=32, num_warps=4, num_stages=2),  # D=256: the only shared-memory fit for the backward
+    Config(BN=64, GPB=1, num_warps=4, num_stages=3),
+    Config(BN=64, GPB=1, num_warps=4, num_stages=2),
+    Config(BN=128, GPB=1, num_warps=8, num_stages=2),
+    Config(BN=64, GPB=2, num_warps=8, num_stages=2),
+    Config(BN=64, GPB=2, num_warps=8, num_stages=3),
+    Config(BN=128, GPB=2, num_warps=8, num_stages=2),
+    Config(BN=32, GPB=1, num_warps=4, num_stages=2),  # D=256: the only shared-memory fit for the backward
 ]
 attn_fwd_kernel = TritonKernel(kernels._attn_fwd_kernel, name="block_sparse_attn_fwd", configs=_row_configs,
-                               interpret_config=Config(BN=16))
+                               interpret_config=Config(BN=16, GPB=2))
 attn_bwd_dq_kernel = TritonKernel(kernels._attn_bwd_dq_kernel, name="block_sparse_attn_bwd_dq",
-                                  configs=_row_configs, interpret_config=Config(BN=16))
-# BN of the dk/dv kernel is the mask's kv_tile (the reverse index is built for it), so only launch
-# options are tuned.
+                                  configs=_row_configs, interpret_config=Config(BN=16, GPB=2))
+# BN of the dk/dv kernel is the mask's kv_tile (the reverse index is built for it); tuned: how many
+# row tiles (EPI) one step stacks, and the launch options.
 attn_bwd_dkdv_kernel = TritonKernel(
     kernels._attn_bwd_dkdv_kernel, name="block_sparse_attn_bwd_dkdv",
-    configs=[Config(num_warps=4, num_stages=2), Config(num_warps=8, num_stages=2),
-             Config(num_warps=4, num_stages=3), Config(num_warps=8, num_stages=3)],
-    interpret_config=Config())
+    configs=[Config(EPI=1, num_warps=4, num_stages=2), Config(EPI=1, num_warps=4, num_stages=3),
+             Config(EPI=2, num_warps=4, num_stages=2), Config(EPI=2, num_warps=8, num_stages=2),
+             Config(EPI=2, num_warps=8, num_stages=3)],
+    interpret_config=Config(EPI=2))  # the stacked path, odd entry counts included
 attn_bwd_preprocess_kernel = TritonKernel(kernels._attn_bwd_preprocess_kernel, name="block_sparse_attn_bwd_pre",
                                           configs=[Config(BT=64, num_warps=4)], interpret_config=Config(BT=16))
 
@@ -75,7 +79,7 @@ def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scal
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     NC = G // meta["GH"]
     attn_fwd_kernel(
-        (NG, B * Hkv * NC), q, k, v, o, lse, segments, seg_count, tiles,
+        lambda m: (triton.cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, o, lse, segments, seg_count, tiles,
         Tq, Tk, NG, MS, MB, Hq, Hkv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -100,7 +104,7 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     attn_bwd_dq_kernel(
-        (NG, B * Hkv * NC), q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
+        lambda m: (triton.cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
         Tq, Tk, NG, MS, MB, Hq, Hkv, *strides, scale * LOG2E, scale,
         bucket=_bucket(Tq, Tk), **meta)
     NKV = triton.cdiv(Tk, kv_tile)

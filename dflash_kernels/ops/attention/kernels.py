@@ -23,17 +23,20 @@ LN2 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _visible(t, kv, q0, lo, hi, shift, tile, tiles, BQ: tl.constexpr, TW: tl.constexpr,
              HAS_TILES: tl.constexpr):
-    """Element-wise mask of rows ``t`` [BM] x keys ``kv`` [BN] for one segment (see mask.py)."""
+    """Element-wise mask of rows ``t`` [BM] x keys ``kv`` [BN] for one segment (see mask.py).
+
+    The segment fields are scalars, or [BM, 1] columns when each row has its own segment (and
+    ``q0`` then a [BM] vector)."""
     vis = (kv[None, :] >= lo) & (kv[None, :] < hi) & (kv[None, :] <= t[:, None] + shift)
     if HAS_TILES:
-        off = tile.to(tl.int64) * (BQ * TW) + (t - q0)[:, None] * TW + (kv - lo)[None, :]
+        off = tile.to(tl.int64) * (BQ * TW) + (t - q0)[:, None] * TW + (kv[None, :] - lo)
         bit = tl.load(tiles + off, mask=vis & (tile >= 0), other=1)
         vis = vis & (bit != 0)
     return vis
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, stop,
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, stop, kv_end,
                t, q0, lo, hi, shift, tile, tiles, qk_scale,
                D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, TW: tl.constexpr,
                HAS_TILES: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -44,7 +47,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, st
         k_ptrs = k_base + kv[None, :] * stride_kt + offs_d[:, None]  # [D, BN]: K^T
         v_ptrs = v_base + kv[:, None] * stride_vt + offs_d[None, :]
         if MASK:
-            kt = tl.load(k_ptrs, mask=(kv < hi)[None, :], other=0.0)
+            kt = tl.load(k_ptrs, mask=(kv < kv_end)[None, :], other=0.0)
         else:
             kt = tl.load(k_ptrs)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
@@ -57,7 +60,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, st
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
-            vt = tl.load(v_ptrs, mask=(kv < hi)[:, None], other=0.0)
+            vt = tl.load(v_ptrs, mask=(kv < kv_end)[:, None], other=0.0)
         else:
             vt = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
@@ -66,18 +69,50 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, st
 
 
 @triton.jit
-def _segment_bounds(seg, q0, BQ: tl.constexpr, BN: tl.constexpr, HAS_TILES: tl.constexpr):
-    """Load one segment; return it with the end of its unmasked tiles and the end of its keys."""
-    lo = tl.load(seg)
-    hi = tl.load(seg + 1)
-    shift = tl.load(seg + 2)
-    tile = tl.load(seg + 3)
-    stop = tl.minimum(hi, q0 + BQ + shift)  # keys right of every row's diagonal are never seen
-    full_stop = tl.minimum(hi, q0 + 1 + shift)  # keys every row of the group sees
-    n_full = tl.maximum(full_stop - lo, 0) // BN
+def _program_rows(pid_g, pid_bh, Tq, NG, MB, Hkv, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
+                  BM: tl.constexpr, GPB: tl.constexpr):
+    """The rows of a forward / dq program: GPB consecutive query groups, BM rows each.
+
+    Returns the batch, kv head, each row's group index into ``seg_count`` (groups past the end
+    reuse the last one: their rows are dead), group start q0, position t, head h and liveness."""
+    NC: tl.constexpr = G // GH
+    b = pid_bh // (Hkv * NC)
+    kvh = (pid_bh // NC) % Hkv
+    h0 = kvh * G + (pid_bh % NC) * GH
+    r = tl.arange(0, GPB * BM)
+    rr = r % BM
+    g = pid_g * GPB + r // BM
+    q0 = g * BQ
+    t = q0 + rr // GH
+    h = h0 + rr % GH
+    row_ok = (rr < BQ * GH) & (t < Tq)
+    grp = (b % MB).to(tl.int64) * NG + tl.minimum(g, NG - 1)
+    return b, kvh, grp, q0, t, h, row_ok
+
+
+@triton.jit
+def _segment_plan(segments, n_seg, grp, s_i, q0, MS, BQ: tl.constexpr, BN: tl.constexpr,
+                  HAS_TILES: tl.constexpr):
+    """Segment ``s_i`` of every row's group, as [R, 1] columns (empty where a group has fewer), and
+    the key loop that covers them all: masked ``[start, mid0)``, unmasked ``[mid0, mid1)`` (keys that
+    every row sees), masked ``[mid1, stop)``. With one group per program the first part is empty."""
+    live = s_i < n_seg
+    seg = segments + (grp * MS + s_i) * 4
+    lo = tl.load(seg, mask=live, other=0)
+    hi = tl.load(seg + 1, mask=live, other=0)
+    shift = tl.load(seg + 2, mask=live, other=0)
+    tile = tl.load(seg + 3, mask=live, other=-1)
+    end = tl.minimum(hi, q0 + BQ + shift)  # keys right of the group's last diagonal are never seen
+    full_end = tl.minimum(hi, q0 + 1 + shift)  # keys every row of the group sees
+    some = end > lo
+    stop = tl.max(tl.where(some, end, 0), 0)
+    start = tl.minimum(tl.min(tl.where(some, lo, stop), 0), stop)
+    head = tl.max(tl.where(some, lo, 0), 0) - start  # keys some rows' segments do not start until
+    mid0 = tl.minimum(start + tl.cdiv(head, BN) * BN, stop)
+    n_full = tl.maximum(tl.min(full_end, 0) - mid0, 0) // BN
     if HAS_TILES:
-        n_full = tl.where(tile >= 0, 0, n_full)
-    return lo, hi, shift, tile, lo + n_full * BN, stop
+        n_full = tl.where(tl.max(tile, 0) >= 0, 0, n_full)
+    return lo[:, None], hi[:, None], shift[:, None], tile[:, None], start, mid0, mid0 + n_full * BN, stop
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB"])
@@ -88,21 +123,11 @@ def _attn_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
                      qk_scale,
                      D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
                      BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
-                     DOT_PREC: tl.constexpr, BN: tl.constexpr):
+                     DOT_PREC: tl.constexpr, BN: tl.constexpr, GPB: tl.constexpr):
     tl.static_assert(BM >= BQ * GH)
     tl.static_assert(G % GH == 0)
-    NC: tl.constexpr = G // GH
-    pid_g = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // (Hkv * NC)
-    kvh = (pid_bh // NC) % Hkv
-    h0 = kvh * G + (pid_bh % NC) * GH
-    bm = b % MB
-    q0 = pid_g * BQ
-    r = tl.arange(0, BM)
-    t = q0 + r // GH
-    h = h0 + r % GH
-    row_ok = (r < BQ * GH) & (t < Tq)
+    b, kvh, grp, q0, t, h, row_ok = _program_rows(tl.program_id(0), tl.program_id(1), Tq, NG, MB, Hkv,
+                                                  G, GH, BQ, BM, GPB)
     offs_d = tl.arange(0, D)
     b64 = b.to(tl.int64)
     q_ptrs = q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
@@ -110,18 +135,20 @@ def _attn_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
     k_base = k + b64 * stride_kb + kvh * stride_kh
     v_base = v + b64 * stride_vb + kvh * stride_vh
 
-    m_i = tl.full([BM], -1.0e30, tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
-    grp = bm.to(tl.int64) * NG + pid_g
+    m_i = tl.full([GPB * BM], -1.0e30, tl.float32)
+    l_i = tl.zeros([GPB * BM], tl.float32)
+    acc = tl.zeros([GPB * BM, D], tl.float32)
     n_seg = tl.load(seg_count + grp)
-    for s_i in range(n_seg):
-        seg = segments + (grp * MS + s_i) * 4
-        lo, hi, shift, tile, mid, stop = _segment_bounds(seg, q0, BQ, BN, HAS_TILES)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qt, k_base, v_base, stride_kt, stride_vt, lo, mid,
+    for s_i in range(tl.max(n_seg, 0)):
+        lo, hi, shift, tile, start, mid0, mid1, stop = _segment_plan(segments, n_seg, grp, s_i, q0, MS, BQ, BN,
+                                                                     HAS_TILES)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qt, k_base, v_base, stride_kt, stride_vt, start, mid0, stop,
+                                   t, q0, lo, hi, shift, tile, tiles, qk_scale,
+                                   D, BQ, BN, TW, HAS_TILES, True, DOT_PREC)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qt, k_base, v_base, stride_kt, stride_vt, mid0, mid1, stop,
                                    t, q0, lo, hi, shift, tile, tiles, qk_scale,
                                    D, BQ, BN, TW, HAS_TILES, False, DOT_PREC)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qt, k_base, v_base, stride_kt, stride_vt, mid, stop,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, qt, k_base, v_base, stride_kt, stride_vt, mid1, stop, stop,
                                    t, q0, lo, hi, shift, tile, tiles, qk_scale,
                                    D, BQ, BN, TW, HAS_TILES, True, DOT_PREC)
 
@@ -168,7 +195,7 @@ def _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb, stride_q
 
 
 @triton.jit
-def _dq_inner(dq, q, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start, stop,
+def _dq_inner(dq, q, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start, stop, kv_end,
               t, q0, lo, hi, shift, tile, tiles, qk_scale,
               D: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, TW: tl.constexpr,
               HAS_TILES: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -179,8 +206,8 @@ def _dq_inner(dq, q, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start
         kT_ptrs = k_base + kv[None, :] * stride_kt + offs_d[:, None]
         vT_ptrs = v_base + kv[None, :] * stride_vt + offs_d[:, None]
         if MASK:
-            kT = tl.load(kT_ptrs, mask=(kv < hi)[None, :], other=0.0)
-            vT = tl.load(vT_ptrs, mask=(kv < hi)[None, :], other=0.0)
+            kT = tl.load(kT_ptrs, mask=(kv < kv_end)[None, :], other=0.0)
+            vT = tl.load(vT_ptrs, mask=(kv < kv_end)[None, :], other=0.0)
         else:
             kT = tl.load(kT_ptrs)
             vT = tl.load(vT_ptrs)
@@ -203,34 +230,25 @@ def _attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
                         qk_scale, sm_scale,
                         D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
                         BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
-                        DOT_PREC: tl.constexpr, BN: tl.constexpr):
-    """dq for one row tile; dq has q's strides."""
-    NC: tl.constexpr = G // GH
-    pid_g = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // (Hkv * NC)
-    kvh = (pid_bh // NC) % Hkv
-    h0 = kvh * G + (pid_bh % NC) * GH
-    bm = b % MB
-    q0 = pid_g * BQ
-    r = tl.arange(0, BM)
-    t = q0 + r // GH
-    h = h0 + r % GH
-    row_ok = (r < BQ * GH) & (t < Tq)
+                        DOT_PREC: tl.constexpr, BN: tl.constexpr, GPB: tl.constexpr):
+    """dq for the rows of GPB query groups; dq has q's strides."""
+    b, kvh, grp, q0, t, h, row_ok = _program_rows(tl.program_id(0), tl.program_id(1), Tq, NG, MB, Hkv,
+                                                  G, GH, BQ, BM, GPB)
     b64 = b.to(tl.int64)
     qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb, stride_qt,
                                     stride_qh, stride_dob, stride_dot, stride_doh, D)
     k_base = k + b64 * stride_kb + kvh * stride_kh
     v_base = v + b64 * stride_vb + kvh * stride_vh
-    dqa = tl.zeros([BM, D], tl.float32)
-    grp = bm.to(tl.int64) * NG + pid_g
+    dqa = tl.zeros([GPB * BM, D], tl.float32)
     n_seg = tl.load(seg_count + grp)
-    for s_i in range(n_seg):
-        seg = segments + (grp * MS + s_i) * 4
-        lo, hi, shift, tile, mid, stop = _segment_bounds(seg, q0, BQ, BN, HAS_TILES)
-        dqa = _dq_inner(dqa, qt, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, lo, mid,
+    for s_i in range(tl.max(n_seg, 0)):
+        lo, hi, shift, tile, start, mid0, mid1, stop = _segment_plan(segments, n_seg, grp, s_i, q0, MS, BQ, BN,
+                                                                     HAS_TILES)
+        dqa = _dq_inner(dqa, qt, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start, mid0, stop,
+                        t, q0, lo, hi, shift, tile, tiles, qk_scale, D, BQ, BN, TW, HAS_TILES, True, DOT_PREC)
+        dqa = _dq_inner(dqa, qt, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, mid0, mid1, stop,
                         t, q0, lo, hi, shift, tile, tiles, qk_scale, D, BQ, BN, TW, HAS_TILES, False, DOT_PREC)
-        dqa = _dq_inner(dqa, qt, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, mid, stop,
+        dqa = _dq_inner(dqa, qt, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, mid1, stop, stop,
                         t, q0, lo, hi, shift, tile, tiles, qk_scale, D, BQ, BN, TW, HAS_TILES, True, DOT_PREC)
     offs_d = tl.arange(0, D)
     dq_ptrs = dq + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
@@ -256,25 +274,35 @@ def _dkdv_step(dk, dv, kt, vt, q, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile
 
 @triton.jit
 def _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_start, e_stop,
-                  b64, bm, kvh, kv, n0, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
+                  b64, bm, kvh, kv, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
                   stride_dob, stride_dot, stride_doh, qk_scale,
                   D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr,
-                  TW: tl.constexpr, HAS_TILES: tl.constexpr, MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+                  EPI: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr, MASK: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """Entries ``[e_start, e_stop)`` of the reverse index, EPI at a time: the row tiles of EPI entries are
+    stacked into one ``EPI * BM``-row operand so each matmul is EPI times wider (each row keeps its own
+    entry's segment for the element mask)."""
     NC: tl.constexpr = G // GH
-    r = tl.arange(0, BM)
-    for e in range(e_start, e_stop):
-        g = tl.load(rev_entries + 2 * e)
-        s_i = tl.load(rev_entries + 2 * e + 1)
+    r = tl.arange(0, EPI * BM)
+    rr = r % BM
+    for e0 in range(e_start, e_stop, EPI):
+        e = e0 + r // BM
+        e_ok = e < e_stop
+        g = tl.load(rev_entries + 2 * e, mask=e_ok, other=0)
+        s_i = tl.load(rev_entries + 2 * e + 1, mask=e_ok, other=0)
         seg = segments + ((bm.to(tl.int64) * NG + g) * MS + s_i) * 4
-        lo = tl.load(seg)
-        hi = tl.load(seg + 1)
-        shift = tl.load(seg + 2)
-        tile = tl.load(seg + 3)
         q0 = g * BQ
-        t = q0 + r // GH
-        row_ok = (r < BQ * GH) & (t < Tq)
+        t = q0 + rr // GH
+        row_ok = (rr < BQ * GH) & (t < Tq) & e_ok
+        if MASK:
+            lo = tl.load(seg, mask=e_ok, other=0)[:, None]
+            hi = tl.load(seg + 1, mask=e_ok, other=0)[:, None]
+            shift = tl.load(seg + 2, mask=e_ok, other=0)[:, None]
+            tile = tl.load(seg + 3, mask=e_ok, other=-1)[:, None]
+        else:  # unused: these rows see the whole key tile
+            lo, hi, shift, tile = 0, 0, 0, -1
         for c in tl.static_range(NC):
-            h = kvh * G + c * GH + r % GH
+            h = kvh * G + c * GH + rr % GH
             qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb,
                                             stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, D)
             dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
@@ -290,7 +318,7 @@ def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets
                           qk_scale, sm_scale,
                           D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
                           BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
-                          DOT_PREC: tl.constexpr, BN: tl.constexpr):
+                          DOT_PREC: tl.constexpr, BN: tl.constexpr, EPI: tl.constexpr):
     """dk, dv of one BN-key tile of one kv head, summed over the row tiles that the reverse index lists
     for it, in the index's fixed order (no atomics: deterministic). The index lists the row tiles that
     see the whole key tile first: they run without any element mask. dk/dv have k's / v's strides."""
@@ -315,13 +343,13 @@ def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets
     e_mid = e_start + tl.load(rev_full + key_tile)
     e_stop = tl.load(rev_offsets + key_tile + 1)
     dka, dva = _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_start, e_mid,
-                             b64, bm, kvh, kv, n0, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
+                             b64, bm, kvh, kv, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
                              stride_dob, stride_dot, stride_doh, qk_scale,
-                             D, G, GH, BQ, BM, TW, HAS_TILES, False, DOT_PREC)
+                             D, G, GH, BQ, BM, EPI, TW, HAS_TILES, False, DOT_PREC)
     dka, dva = _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_mid, e_stop,
-                             b64, bm, kvh, kv, n0, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
+                             b64, bm, kvh, kv, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
                              stride_dob, stride_dot, stride_doh, qk_scale,
-                             D, G, GH, BQ, BM, TW, HAS_TILES, True, DOT_PREC)
+                             D, G, GH, BQ, BM, EPI, TW, HAS_TILES, True, DOT_PREC)
     dk_ptrs = dk + b64 * stride_kb + kv[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
     dv_ptrs = dv + b64 * stride_vb + kv[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
     tl.store(dk_ptrs, (dka * sm_scale).to(dk.dtype.element_ty), mask=kv_ok[:, None])

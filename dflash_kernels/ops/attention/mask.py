@@ -21,7 +21,7 @@ heads of one GQA group runs one key loop. The backward's dk/dv kernel needs the 
 ``kv_tile``-wide key tile, the ``(group, segment)`` pairs that reach it (``rev_offsets`` /
 ``rev_entries``, a CSR index sorted by group so the dk/dv sums are deterministic). Everything is
 built with tensor ops on the masks' device in time proportional to the number of segments plus
-visited tiles; the one host synchronisation is the size of that index.
+visited tiles, without host synchronisation (the DFlash builder's anchor range check is the one).
 """
 
 from dataclasses import dataclass
@@ -48,7 +48,8 @@ class BlockSparseMask:
     tiles: torch.Tensor  # uint8 [NT, q_block, tile_width]: element masks of partial blocks (NT may be 0)
     rev_offsets: torch.Tensor  # int32 [MB * NKV + 1]: CSR offsets of key tile (b, n) into rev_entries
     rev_full: torch.Tensor  # int32 [MB * NKV]: how many of a key tile's entries need no element mask
-    rev_entries: torch.Tensor  # int32 [E, 2]: (group, segment) per key tile: unmasked first, by group
+    rev_entries: torch.Tensor  # int32 [E, 2]: (group, segment) per key tile: unmasked first, by group;
+    # E is an upper bound, rows past rev_offsets[-1] are unused
     q_len: int  # Tq: query positions covered
     kv_len: int  # Tk: key positions covered
     q_block: int  # positions per query group
@@ -103,45 +104,48 @@ def _check_int(name, value, low):
         raise ValueError(f"{name}: must be >= {low}, got {value}")
 
 
-def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile):
-    """CSR of the (group, segment) pairs whose keys fall in each ``kv_tile``-wide key tile."""
+def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len):
+    """CSR of the (group, segment) pairs whose keys fall in each ``kv_tile``-wide key tile.
+
+    ``max_len`` bounds every segment's length, so each segment spans at most ``T`` tiles and the
+    index is built on a fixed ``[MB, NG, MS, T]`` grid: no host synchronisation.
+    """
     dev = segments.device
     MB, NG, MS, _ = segments.shape
     NKV = -(-kv_len // kv_tile)
-    lo, hi, shift, tile_id = segments.long().unbind(-1)
-    q_last = torch.clamp(torch.arange(NG, device=dev) * q_block + q_block, max=q_len)[None, :, None] - 1
+    T = -(-max_len // kv_tile) + 1
+    lo, hi, shift, tile_id = (x[..., None] for x in segments.long().unbind(-1))  # [MB, NG, MS, 1]
+    q0 = (torch.arange(NG, device=dev) * q_block)[None, :, None, None]
+    q_last = torch.clamp(q0 + q_block, max=q_len) - 1
     hi_eff = torch.minimum(hi, q_last + shift + 1)  # the diagonal cuts keys no row of the group sees
-    live = (torch.arange(MS, device=dev) < seg_count.long()[..., None]) & (hi_eff > lo)
+    live = (torch.arange(MS, device=dev)[:, None] < seg_count.long()[..., None, None]) & (hi_eff > lo)
     first = lo // kv_tile
-    n = torch.where(live, (hi_eff - 1) // kv_tile - first + 1, 0).flatten()
-    src = torch.repeat_interleave(torch.arange(n.numel(), device=dev), n)  # synchronises once
-    start = torch.cumsum(n, 0) - n
-    tile = first.flatten()[src] + torch.arange(src.numel(), device=dev) - start[src]
-    b, gs = src // (NG * MS), src % (NG * MS)
-    key = b * NKV + tile
+    j = torch.arange(T, device=dev)
+    listed = live & (j < (hi_eff - 1) // kv_tile - first + 1)
+    tile = first + j
+    n0 = tile * kv_tile
     # A key tile needs no element mask for a segment that covers it and lies left of the diagonal of
     # the group's first row (the same test as the kernels').
-    n0 = tile * kv_tile
-    q0 = (gs // MS) * q_block
-    full = ((tile_id.flatten()[src] < 0) & (n0 >= lo.flatten()[src]) & (n0 + kv_tile <= hi.flatten()[src])
-            & (n0 + kv_tile - 1 <= q0 + shift.flatten()[src]))
+    full = (tile_id < 0) & (n0 >= lo) & (n0 + kv_tile <= hi) & (n0 + kv_tile - 1 <= q0 + shift)
+    b = torch.arange(MB, device=dev)[:, None, None, None]
+    key = (b * NKV + tile) * 2 + (~full).long()
+    key = torch.where(listed, key, 2 * MB * NKV)  # unlisted grid cells sort past the end
     # Per key tile: the full entries first, then the masked ones, so the dk/dv kernel runs two
-    # branch-free loops. `src` ascends with (b, group, segment) and the sort is stable, so the kernel
-    # sums groups in a fixed order: deterministic gradients without atomics.
-    sort_key, order = torch.sort(key * 2 + (~full).long(), stable=True)
-    key, gs = sort_key // 2, gs[order]
-    entries = torch.stack([gs // MS, gs % MS], 1).to(torch.int32).contiguous()
-    counts = torch.bincount(key, minlength=MB * NKV)
-    offsets = torch.zeros(MB * NKV + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = torch.cumsum(counts, 0)
-    n_full = torch.bincount(key[sort_key % 2 == 0], minlength=MB * NKV).to(torch.int32)
-    return offsets, n_full, entries
+    # branch-free loops. The grid is flattened in (b, group, segment) order and the sort is stable,
+    # so the kernel sums groups in a fixed order: deterministic gradients without atomics.
+    sort_key, order = torch.sort(key.flatten(), stable=True)
+    gs = order // T
+    entries = torch.stack([(gs // MS) % NG, gs % MS], 1).to(torch.int32).contiguous()
+    bounds = torch.arange(MB * NKV + 1, device=dev) * 2
+    offsets = torch.searchsorted(sort_key, bounds)
+    n_full = torch.searchsorted(sort_key, bounds[:-1] + 1) - offsets[:-1]
+    return offsets.to(torch.int32), n_full.to(torch.int32), entries
 
 
-def _finish(segments, seg_count, tiles, q_len, kv_len, q_block, kv_tile, tile_width):
+def _finish(segments, seg_count, tiles, q_len, kv_len, q_block, kv_tile, tile_width, max_len):
     segments = segments.to(torch.int32).contiguous()
     seg_count = seg_count.to(torch.int32).contiguous()
-    offsets, n_full, entries = _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile)
+    offsets, n_full, entries = _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len)
     return BlockSparseMask(segments, seg_count, tiles.contiguous(), offsets, n_full, entries, q_len=q_len,
                            kv_len=kv_len, q_block=q_block, kv_tile=kv_tile, tile_width=tile_width)
 
@@ -150,7 +154,8 @@ def _no_tiles(q_block, device):
     return torch.zeros(0, q_block, 1, dtype=torch.uint8, device=device)
 
 
-def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=None, kv_tile=64):
+def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=None, kv_tile=64,
+                      check_range=True):
     """The DFlash training mask: each draft block sees the context before its anchor and itself.
 
     Keys are laid out ``[context (S) | block_0 | ... | block_{N-1}]`` (``Tk = S + N * block_size``),
@@ -167,9 +172,11 @@ def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=No
         valid: optional bool ``[B, N]``; blocks with False (padding) see nothing: their output and
             gradients are 0 and their lse is -inf.
         kv_tile: key tile width of the backward's reverse index (the dk/dv kernel's BN).
+        check_range: check that valid anchors lie in ``[0, S - 1]``. The check reads one scalar back
+            from the device (a synchronisation); without it the build never synchronises, and an
+            out-of-range anchor is clamped into ``[0, S - 1]``.
 
-    Raises TypeError/ValueError naming the argument for bad dtypes, shapes or anchor values. The
-    range check reads one scalar back from the device.
+    Raises TypeError/ValueError naming the argument for bad dtypes, shapes or anchor values.
     """
     if not isinstance(anchors, torch.Tensor):
         raise TypeError(f"anchors: expected a tensor, got {type(anchors).__name__}")
@@ -198,24 +205,22 @@ def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=No
     bad = (a < 0) | (a >= context_len)
     if valid is not None:
         bad &= valid
-    if bool(bad.any()):
+    if check_range and bool(bad.any()):
         idx = torch.nonzero(bad)[0].tolist()
         raise ValueError(f"anchors: every valid anchor must be in [0, context_len - 1] = [0, {context_len - 1}]; "
                          f"got anchors[{idx[0]}, {idx[1]}] = {int(a[idx[0], idx[1]])}")
-    a = a.clamp(0, context_len - 1)  # ignored anchors of invalid blocks
+    a = a.clamp(0, context_len - 1)  # anchors of invalid blocks are ignored
     lo = torch.zeros_like(a) if window is None else (a - window).clamp_min(0)
-    own = context_len + torch.arange(N, device=dev) * block_size
-    segments = torch.stack([
-        torch.stack([lo, a], -1),
-        torch.stack([own, own + block_size], -1).expand(B, N, 2),
-    ], 2)  # [B, N, 2, 2]
-    extra = torch.tensor([NO_DIAGONAL, -1], device=dev).expand(B, N, 2, 2)
-    segments = torch.cat([segments, extra], -1)
+    own = (context_len + torch.arange(N, device=dev) * block_size).expand(B, N)
+    no_diag, no_tile = torch.full_like(a, NO_DIAGONAL), torch.full_like(a, -1)
+    segments = torch.stack([torch.stack([lo, a, no_diag, no_tile], -1),
+                            torch.stack([own, own + block_size, no_diag, no_tile], -1)], 2)  # [B, N, 2, 4]
     seg_count = torch.full((B, N), 2, device=dev, dtype=torch.int32)
     if valid is not None:
         seg_count = torch.where(valid, seg_count, 0)
+    max_len = max(block_size, context_len if window is None else min(window, context_len))
     return _finish(segments, seg_count, _no_tiles(block_size, dev), N * block_size,
-                   context_len + N * block_size, block_size, kv_tile, 1)
+                   context_len + N * block_size, block_size, kv_tile, 1, max_len)
 
 
 def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
@@ -231,6 +236,8 @@ def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
     kv_len = q_len if kv_len is None else kv_len
     _check_int("kv_len", kv_len, 1)
     _check_int("q_block", q_block, 1)
+    if q_block > 128:
+        raise ValueError(f"q_block: at most 128 (kernel tile rows), got {q_block}")
     _check_int("kv_tile", kv_tile, 16)
     if kv_tile & (kv_tile - 1):
         raise ValueError(f"kv_tile: must be a power of two, got {kv_tile}")
@@ -241,7 +248,7 @@ def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
     segments = torch.stack([torch.zeros_like(q0), hi, torch.zeros_like(q0), torch.full_like(q0, -1)], -1)
     segments = segments[None, :, None, :]
     seg_count = torch.ones(1, NG, device=dev, dtype=torch.int32)
-    return _finish(segments, seg_count, _no_tiles(q_block, dev), q_len, kv_len, q_block, kv_tile, 1)
+    return _finish(segments, seg_count, _no_tiles(q_block, dev), q_len, kv_len, q_block, kv_tile, 1, kv_len)
 
 
 def from_flex_block_mask(block_mask, kv_tile=64):
@@ -315,4 +322,4 @@ def from_flex_block_mask(block_mask, kv_tile=64):
     segments.scatter_(2, slot[..., None].expand(-1, -1, -1, 4), seg_all)
     segments = segments[:, :, :MS]
     seg_count = full_num + kv_num
-    return _finish(segments, seg_count, tiles, q_len, kv_len, QB, kv_tile, KB)
+    return _finish(segments, seg_count, tiles, q_len, kv_len, QB, kv_tile, KB, KB)

@@ -33,28 +33,51 @@ _l2norm_fwd = TritonKernel(_l2norm_fwd_kernel, name="gdn_l2norm_fwd",
 _l2norm_bwd = TritonKernel(_l2norm_bwd_kernel, name="gdn_l2norm_bwd",
                            configs=[Config(BR=16, num_warps=4), Config(BR=32, num_warps=8)],
                            interpret_config=Config(BR=16))
-_fwd_solve = TritonKernel(_gdn_fwd_solve_kernel, name="gdn_fwd_solve",
-                          configs=[Config(num_warps=4), Config(num_warps=2), Config(num_warps=8)])
-_fwd_wu = TritonKernel(_gdn_fwd_wu_kernel, name="gdn_fwd_wu",
-                       configs=[Config(BV=64, num_warps=4), Config(BV=32, num_warps=4),
-                                Config(BV=64, num_warps=8)],
-                       interpret_config=Config(BV=16))
-_fwd_state = TritonKernel(_gdn_fwd_state_kernel, name="gdn_fwd_state",
-                          configs=[Config(BV=64, num_warps=4, num_stages=2), Config(BV=32, num_warps=4, num_stages=2),
-                                   Config(BV=64, num_warps=8, num_stages=2), Config(BV=16, num_warps=4, num_stages=2)],
-                          interpret_config=Config(BV=16))
-_fwd_output = TritonKernel(_gdn_fwd_output_kernel, name="gdn_fwd_output",
-                           configs=[Config(BV=64, num_warps=4), Config(BV=128, num_warps=8),
-                                    Config(BV=32, num_warps=4)],
-                           interpret_config=Config(BV=16))
-_bwd_state = TritonKernel(_gdn_bwd_state_kernel, name="gdn_bwd_state",
-                          configs=[Config(BV=64, num_warps=4), Config(BV=32, num_warps=4),
-                                   Config(BV=64, num_warps=8), Config(BV=16, num_warps=4)],
-                          interpret_config=Config(BV=16))
-_bwd_local = TritonKernel(_gdn_bwd_local_kernel, name="gdn_bwd_local",
-                          configs=[Config(BV=32, num_warps=8), Config(BV=64, num_warps=8),
-                                   Config(BV=32, num_warps=4)],
-                          interpret_config=Config(BV=16))
+
+
+class _Kernels:
+    """The scan's kernels for one input precision.
+
+    fp32 inputs get their own objects with 4-warp, single-stage configs only: on H200 with triton 3.6
+    the backward's local kernel with fp32 (tf32) dots and 8 warps faults (illegal memory access, K=16)
+    or needs more shared memory than the chip has (K=128), and a faulting tuning trial would poison
+    the CUDA context, so such configs must never be candidates.
+    """
+
+    def __init__(self, fp32: bool):
+        tag = "_fp32" if fp32 else ""
+
+        def make(fn, name, configs, fp32_configs, interpret=Config(BV=16)):
+            return TritonKernel(fn, name=name + tag, configs=fp32_configs if fp32 else configs,
+                                interpret_config=interpret)
+
+        one = [Config(num_warps=4, num_stages=1)]
+        self.solve = make(_gdn_fwd_solve_kernel, "gdn_fwd_solve",
+                          [Config(num_warps=4), Config(num_warps=2), Config(num_warps=8)], one, Config())
+        self.wu = make(_gdn_fwd_wu_kernel, "gdn_fwd_wu",
+                       [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)],
+                       [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
+        self.state = make(_gdn_fwd_state_kernel, "gdn_fwd_state",
+                          [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
+                           Config(BV=16, num_warps=4)],
+                          [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
+        self.output = make(_gdn_fwd_output_kernel, "gdn_fwd_output",
+                           [Config(BV=64, num_warps=4), Config(BV=128, num_warps=8), Config(BV=32, num_warps=4)],
+                           [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
+        self.bwd_state = make(_gdn_bwd_state_kernel, "gdn_bwd_state",
+                              [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
+                               Config(BV=16, num_warps=4)],
+                              [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
+        self.bwd_local = make(_gdn_bwd_local_kernel, "gdn_bwd_local",
+                              [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=32, num_warps=4)],
+                              [Config(BV=16, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)])
+
+
+_KERNELS = {False: _Kernels(fp32=False), True: _Kernels(fp32=True)}
+
+
+def _kernels(x: torch.Tensor) -> _Kernels:
+    return _KERNELS[x.dtype == torch.float32]
 
 
 def _block(n: int) -> int:
@@ -113,15 +136,16 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
     w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
     u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
     consts = dict(HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    kn = _kernels(k)
     if not load_a:
-        _fwd_solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, bucket=_bucket(n_chunks),
-                   HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
-    _fwd_wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=_bucket(n_chunks), **consts)
+        kn.solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, bucket=_bucket(n_chunks),
+                 HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    kn.wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=_bucket(n_chunks), **consts)
     h = alloc.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
     v_new = alloc.empty_like(u)
     final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
-    _fwd_state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), k, w, u, gcum, initial_state, h, v_new,
-               final_state, cu, offsets, T, bucket=_bucket(N * Hv), HAS_H0=initial_state is not None, **consts)
+    kn.state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), k, w, u, gcum, initial_state, h, v_new,
+             final_state, cu, offsets, T, bucket=_bucket(N * Hv), HAS_H0=initial_state is not None, **consts)
     return A, gcum, w, h, v_new, final_state
 
 
@@ -136,8 +160,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     n_chunks, cu, indices = layout[1], layout[2], layout[3]
     A, gcum, _, h, v_new, final_state = _wy_and_states(q, k, v, g, beta, initial_state, layout)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
-    _fwd_output(lambda m: (triton.cdiv(V, m["BV"]), n_chunks, Hv), q, k, v_new, h, gcum, o, cu, indices, T, scale,
-                bucket=_bucket(n_chunks), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    _kernels(q).output(lambda m: (triton.cdiv(V, m["BV"]), n_chunks, Hv), q, k, v_new, h, gcum, o, cu, indices,
+                       T, scale, bucket=_bucket(n_chunks), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
+                       IS_VARLEN=cu is not None)
     return o, final_state, A, gcum
 
 
@@ -162,16 +187,17 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     dh0 = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=q.device) if has_h0 else None
     if dht is not None:
         dht = dht.float().contiguous()
-    _bwd_state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, gcum, do, dht, dh, dv_new, dh0,
-               cu, offsets, T, scale, bucket=_bucket(N * Hv), HAS_DHT=dht is not None, HAS_H0=has_h0, **consts)
+    _kernels(q).bwd_state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, gcum, do, dht, dh, dv_new, dh0,
+                          cu, offsets, T, scale, bucket=_bucket(N * Hv), HAS_DHT=dht is not None, HAS_H0=has_h0,
+                          **consts)
 
     dq = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
     dk = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
     dv = alloc.empty_like(v)
     dbeta = alloc.empty(B, T, Hv, dtype=torch.float32, device=q.device)
     dg = alloc.empty(B, T, Hv, dtype=torch.float32, device=q.device)
-    _bwd_local((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv, dbeta, dg,
-               cu, indices, T, scale, bucket=_bucket(n_chunks), **consts)
+    _kernels(q).bwd_local((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv, dbeta, dg,
+                          cu, indices, T, scale, bucket=_bucket(n_chunks), **consts)
     if Hv != Hk:  # a query/key head serves Hv // Hk value heads: sum their gradients, in a fixed order
         dq = dq.view(B, T, Hk, Hv // Hk, K).sum(3)
         dk = dk.view(B, T, Hk, Hv // Hk, K).sum(3)
@@ -345,7 +371,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 @register_precompile(OP)
 def _precompile_gdn(shape: dict, dtype, device, backward: bool):
-    """shape: B, T, Hk, Hv, K, V (and optionally l2norm: bool, default True)."""
+    """shape: B, T, Hk, Hv, K, V; optional flags (the kernels compiled differ with them):
+    ``l2norm`` (default True), ``initial_state`` and ``output_final_state`` (default False, as in training)."""
     B, T, Hk, Hv, K, V = (shape[n] for n in ("B", "T", "Hk", "Hv", "K", "V"))
     make = dict(device=device, dtype=dtype)
     q = torch.randn(B, T, Hk, K, **make)
@@ -353,12 +380,14 @@ def _precompile_gdn(shape: dict, dtype, device, backward: bool):
     v = torch.randn(B, T, Hv, V, **make)
     g = torch.nn.functional.logsigmoid(torch.randn(B, T, Hv, device=device, dtype=torch.float32))
     beta = torch.rand(B, T, Hv, **make)
-    h0 = torch.zeros(B, Hv, K, V, device=device, dtype=torch.float32)
-    tensors = [q, k, v, g, beta, h0]
+    h0 = torch.zeros(B, Hv, K, V, device=device, dtype=torch.float32) if shape.get("initial_state") else None
+    final = bool(shape.get("output_final_state", False))
+    tensors = [t for t in (q, k, v, g, beta, h0) if t is not None]
     if backward:
         for t in tensors:
             t.requires_grad_(True)
-    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=final,
                                    use_qk_l2norm_in_kernel=shape.get("l2norm", True))
     if backward:
-        torch.autograd.grad((o.float().sum() + ht.sum()), tensors)
+        loss = o.float().sum() + (ht.sum() if final else 0)
+        torch.autograd.grad(loss, tensors)
