@@ -1,13 +1,18 @@
 """Triton kernels of block-sparse attention: forward, dq, dk/dv, and the backward's preprocess.
 
-Layout ``[B, T, H, D]``. A program's row tile is one query group of the mask (``BQ`` positions)
-times ``GH`` query heads of one GQA group, so all its rows share one key loop (the mask is the same
-for every head). Row ``r`` of the tile is position ``q0 + r // GH`` and head ``h0 + r % GH``;
-``BM >= BQ * GH`` is rounded up to a power of two >= 16 for ``tl.dot`` and the extra rows are dead.
+Layout ``[B, T, H, D]``. A forward / dq program's rows are ``GPB`` query groups of the mask
+(``BQ`` positions each) times ``GH`` query heads of one GQA group; the mask is the same for every
+head, so the heads share one key loop. Row ``r`` of a group's ``BM``-row block is position
+``q0 + r // GH`` and head ``h0 + r % GH``; ``BM >= BQ * GH`` is rounded up to a power of two >= 16
+for ``tl.dot`` and the extra rows are dead.
 
-Within a segment ``[lo, hi)`` the key loop starts at ``lo`` and steps by ``BN``: tiles entirely
-inside the segment and left of the diagonal for the group's first row need no mask at all; only the
-ragged last tile(s) of a segment evaluate the mask element-wise (see ``mask.py``).
+For each segment slot the key loop runs over the union of the rows' segments in ``BN`` steps
+starting at the lowest ``lo``: tiles that every row sees entirely (inside its segment, left of its
+diagonal) run with no mask at all; only the ragged edges evaluate the mask element-wise. With one
+group per program (DFlash: one draft block) that is the last tile of each segment; with two, also
+the keys between the two blocks' anchors.
+
+The dk/dv kernel runs per key tile over the reverse index (mask.py), unmasked entries first.
 
 Softmax runs in base 2: scores are multiplied by ``scale * log2(e)`` once so that ``exp2`` (one
 instruction) replaces ``exp``; the stored lse is converted back to the natural log.
