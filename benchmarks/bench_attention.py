@@ -2,9 +2,10 @@
 
 Effective FLOPs count only visible (query, key) pairs: a forward is two matmuls (QK^T and PV) of
 2 * D flops per pair and head, so ``4 * D * Hq * pairs``; a backward is 2.5x that (five matmuls,
-the recomputed QK^T included), so fwd+bwd = ``3.5 * 4 * D * Hq * pairs``. Times are
-``triton.testing.do_bench`` medians; peak memory is the largest allocation above the inputs seen
-during one forward + backward. Called by ``benchmarks/ops.py attention``.
+the recomputed QK^T included), so fwd+bwd = ``3.5 * 4 * D * Hq * pairs``. GPU times are
+``triton.testing.do_bench`` medians; peak memory is the largest allocation above the inputs during
+one call. The mask build is timed on its own (``mask_ms``; flex's ``create_block_mask`` is timed once,
+uncompiled, as trainers rebuild it every step). Called by ``benchmarks/ops.py attention``.
 """
 
 import time
@@ -16,6 +17,7 @@ SHAPES = [
     dict(B=4, S=4096, N=512, Hq=32, Hkv=8, D=128, window=None),
     dict(B=4, S=3072, N=512, Hq=32, Hkv=8, D=128, window=2048),
 ]
+CPU_SHAPE = dict(B=1, S=45, N=3, Hq=4, Hkv=1, D=64, window=None)  # checks the job runs; says nothing of speed
 BLOCK = 16  # DFlash draft block size
 
 
@@ -34,12 +36,20 @@ def _flex_mask_mod(anchors, S, window):
     return mask_mod
 
 
-def _time_ms(fn, quick):
-    import triton
-    return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median")
+def _time_ms(fn, quick, device):
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100,
+                                       return_mode="median")
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
-def _peak_mib(fn):
+def _peak_mib(fn, device):
+    if device.type != "cuda":
+        return None
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -48,13 +58,15 @@ def _peak_mib(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _row(name, shape, flops, ms_fwd, ms_fwd_bwd, peak, mask_ms, note=""):
-    return {"name": name, "shape": shape, "ms_fwd": ms_fwd, "ms_fwd_bwd": ms_fwd_bwd,
-            "tflops_fwd": flops / ms_fwd * 1e-9, "tflops_fwd_bwd": 3.5 * flops / ms_fwd_bwd * 1e-9,
-            "peak_mib_fwd_bwd": peak, "ms_mask": mask_ms, "note": note}
+def _measure(row, fwd, fwd_bwd, flops, quick, device):
+    row["fwd_ms"] = _time_ms(fwd, quick, device)
+    row["fwd_TFLOPs_eff"] = flops / row["fwd_ms"] * 1e-9
+    row["fwdbwd_ms"] = _time_ms(fwd_bwd, quick, device)
+    row["fwdbwd_TFLOPs_eff"] = 3.5 * flops / row["fwdbwd_ms"] * 1e-9
+    row["peak_MiB_fwdbwd"] = _peak_mib(fwd_bwd, device)
 
 
-def _bench_shape(s, device, quick, with_flex):
+def _bench_shape(s, device, dtype, quick, with_flex):
     from dflash_kernels.ops.attention import block_sparse_attention, dflash_block_mask
 
     B, S, N, Hq, Hkv, D, W = s["B"], s["S"], s["N"], s["Hq"], s["Hkv"], s["D"], s["window"]
@@ -63,70 +75,82 @@ def _bench_shape(s, device, quick, with_flex):
     # Sorted, as a trainer samples anchor positions along a sequence. (Our kernels do the same work
     # either way; flex's 128-row tiles mix blocks of distant anchors when they are unsorted.)
     anchors = torch.sort(torch.randint(0, S, (B, N), generator=g), dim=1).values.to(device)
-    q = torch.randn(B, Tq, Hq, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(B, Tk, Hkv, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(B, Tk, Hkv, D, device=device, dtype=torch.bfloat16, requires_grad=True)
-    do = torch.randn(B, Tq, Hq, D, device=device, dtype=torch.bfloat16)
-
-    mask_ms = _time_ms(lambda: dflash_block_mask(anchors, S, BLOCK, window=W), quick)
+    q = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
+    do = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype)
     mask = dflash_block_mask(anchors, S, BLOCK, window=W)
-    pairs = int(mask.visible_pairs().sum()) * (B if mask.batch_size == 1 else 1)
+    pairs = int(mask.visible_pairs().sum())
     flops = 4 * D * Hq * pairs
+    base = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs}
 
-    def ours_fwd():
+    ours = {**base, "impl": "dflash_kernels"}
+    ours["mask_ms"] = _time_ms(lambda: dflash_block_mask(anchors, S, BLOCK, window=W), quick, device)
+
+    def fwd():
         with torch.no_grad():
             block_sparse_attention(q, k, v, mask)
 
-    def ours_fwd_bwd():
-        o = block_sparse_attention(q, k, v, mask)
-        torch.autograd.grad(o, (q, k, v), do)
+    def fwd_bwd():
+        torch.autograd.grad(block_sparse_attention(q, k, v, mask), (q, k, v), do)
 
-    ours_fwd_bwd()  # compile + tune outside the timings
-    name = _shape_name(s)
-    rows = [_row("dflash_kernels", name, flops, _time_ms(ours_fwd, quick), _time_ms(ours_fwd_bwd, quick),
-                 _peak_mib(ours_fwd_bwd), mask_ms, note=f"visible pairs {pairs}")]
+    try:
+        fwd_bwd()  # compile (and tune) outside the timings
+        _measure(ours, fwd, fwd_bwd, flops, quick, device)
+    except Exception as e:  # noqa: BLE001 - report, keep the run going
+        ours["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows = [ours]
     if not with_flex:
         return rows
 
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    flex = torch.compile(flex_attention)
-    t0 = time.perf_counter()
-    block_mask = create_block_mask(_flex_mask_mod(anchors, S, W), B, None, Tq, Tk, device=device, BLOCK_SIZE=128)
-    torch.cuda.synchronize()
-    flex_mask_ms = (time.perf_counter() - t0) * 1e3
-    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-    dot = do.transpose(1, 2)
+    flex_row = {**base, "impl": "flex (torch.compile)"}
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention)
+        t0 = time.perf_counter()
+        block_mask = create_block_mask(_flex_mask_mod(anchors, S, W), B, None, Tq, Tk, device=device,
+                                       BLOCK_SIZE=128)
+        torch.cuda.synchronize()
+        flex_row["mask_ms"] = (time.perf_counter() - t0) * 1e3
+        qt, kt, vt, dot = (x.transpose(1, 2) for x in (q, k, v, do))
 
-    def flex_fwd():
-        with torch.no_grad():
-            flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
+        def flex_fwd():
+            with torch.no_grad():
+                flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
 
-    def flex_fwd_bwd():
-        o = flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True)
-        torch.autograd.grad(o, (q, k, v), dot)
+        def flex_fwd_bwd():
+            torch.autograd.grad(flex(qt, kt, vt, block_mask=block_mask, enable_gqa=True), (q, k, v), dot)
 
-    t0 = time.perf_counter()
-    flex_fwd()
-    flex_fwd_bwd()
-    compile_s = time.perf_counter() - t0
-    rows.append(_row("flex (torch.compile)", name, flops, _time_ms(flex_fwd, quick), _time_ms(flex_fwd_bwd, quick),
-                     _peak_mib(flex_fwd_bwd), flex_mask_ms,
-                     note=f"create_block_mask uncompiled, BLOCK_SIZE=128; compile {compile_s:.1f} s"))
+        t0 = time.perf_counter()
+        flex_fwd()
+        flex_fwd_bwd()
+        flex_row["compile_s"] = time.perf_counter() - t0
+        _measure(flex_row, flex_fwd, flex_fwd_bwd, flops, quick, device)
+        if "fwd_ms" in ours:
+            ours["fwd_speedup_vs_flex"] = flex_row["fwd_ms"] / ours["fwd_ms"]
+            ours["fwdbwd_speedup_vs_flex"] = flex_row["fwdbwd_ms"] / ours["fwdbwd_ms"]
+    except Exception as e:  # noqa: BLE001
+        flex_row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    rows.append(flex_row)
     return rows
 
 
 def run(device, quick: bool) -> list:
-    """Rows for ``benchmarks/ops.py attention``: ours and flex per shape (flex only on CUDA)."""
+    """Rows for ``benchmarks/ops.py attention``: ours and flex per shape (flex on CUDA only)."""
     device = torch.device(device)
-    with_flex = device.type == "cuda"
-    shapes = SHAPES[:1] if quick else SHAPES
+    if device.type == "cuda":
+        shapes, dtype = (SHAPES[:1] if quick else SHAPES), torch.bfloat16
+    else:
+        shapes, dtype = [CPU_SHAPE], torch.float32
     rows = []
     for s in shapes:
-        rows += _bench_shape(s, device, quick, with_flex)
+        rows += _bench_shape(s, device, dtype, quick, with_flex=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
 if __name__ == "__main__":
     import sys
-    for r in run("cuda", quick="--quick" in sys.argv):
+    for r in run("cuda" if torch.cuda.is_available() else "cpu", quick="--quick" in sys.argv):
         print(r)

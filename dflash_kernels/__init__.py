@@ -17,6 +17,13 @@ from dflash_kernels.runtime import (  # noqa: E402
     strict,
 )
 from dflash_kernels.runtime.backends import backends  # noqa: E402
+from dflash_kernels.ops.attention import (  # noqa: E402
+    BlockSparseMask,
+    block_sparse_attention,
+    causal_block_mask,
+    dflash_block_mask,
+    from_flex_block_mask,
+)
 from dflash_kernels.ops.conv1d import causal_conv1d, causal_conv1d_update  # noqa: E402
 from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule,
@@ -24,6 +31,7 @@ from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
 )
 
 __all__ = [
-    "__version__", "BackendUnavailable", "KernelCacheMiss", "backends", "cache_info", "causal_conv1d",
+    "__version__", "BackendUnavailable", "BlockSparseMask", "block_sparse_attention", "causal_block_mask",
+    "dflash_block_mask", "from_flex_block_mask", "KernelCacheMiss", "backends", "cache_info", "causal_conv1d",
     "causal_conv1d_update", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "get_backend", "precompile", "reset_cache", "set_backend", "strict",
 ]

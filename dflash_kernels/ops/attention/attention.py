@@ -7,7 +7,7 @@ import triton
 
 from dflash_kernels.ops.attention import kernels
 from dflash_kernels.ops.attention.mask import BlockSparseMask, dflash_block_mask
-from dflash_kernels.runtime import Config, TritonKernel, register_op, register_precompile, resolve
+from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd"]
@@ -75,8 +75,8 @@ def _bucket(Tq, Tk):
 def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale):
     """Launch the forward. Inputs contiguous ``[B, T, H, D]``; returns ``o`` like q and lse fp32 ``[B, Hq, Tq]``."""
     B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta = _common(q, k, segments, q_block, tile_width, tiles)
-    o = torch.empty_like(q)
-    lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+    o = alloc.empty_like(q)
+    lse = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     NC = G // meta["GH"]
     attn_fwd_kernel(
         lambda m: (triton.cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, o, lse, segments, seg_count, tiles,
@@ -92,14 +92,14 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
     """Launch the backward: delta = rowsum(o * do), then dq (per row tile) and dk, dv (per key tile)."""
     B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta = _common(q, k, segments, q_block, tile_width, tiles)
     D = meta["D"]
-    delta = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+    delta = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     attn_bwd_preprocess_kernel(
         lambda m: (triton.cdiv(Tq, m["BT"]), B * Hq), o, do, delta, Tq, Hq,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         bucket=_bucket(Tq, 1), D=D)
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    dq = alloc.empty_like(q)
+    dk = alloc.empty_like(k)
+    dv = alloc.empty_like(v)
     NC = G // meta["GH"]
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
