@@ -16,7 +16,7 @@ setup(
     extras_require={
         # numpy < 2.4: Triton 3.6's interpreter converts 1-element arrays to Python ints, which
         # numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars").
-        "test": ["pytest>=7", "numpy<2.4"],
+        "test": ["pytest>=7", "numpy<2.4", "transformers>=5"],  # transformers: its GDN is a test oracle
         "peers": ["flash-linear-attention>=0.6", "causal-conv1d>=1.5"],
     },
 )
