@@ -11,6 +11,7 @@ uncompiled, as trainers rebuild it every step). Called by ``benchmarks/ops.py at
 import time
 
 import torch
+from bench_common import bench_ms, peak_mib
 
 SHAPES = [
     dict(B=4, S=3072, N=512, Hq=32, Hkv=8, D=128, window=None),
@@ -36,34 +37,12 @@ def _flex_mask_mod(anchors, S, window):
     return mask_mod
 
 
-def _time_ms(fn, quick, device):
-    if device.type == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100,
-                                       return_mode="median")
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _peak_mib(fn, device):
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def _measure(row, fwd, fwd_bwd, flops, quick, device):
-    row["fwd_ms"] = _time_ms(fwd, quick, device)
+    row["fwd_ms"] = bench_ms(fwd, quick, device.type == "cuda")
     row["fwd_TFLOPs_eff"] = flops / row["fwd_ms"] * 1e-9
-    row["fwdbwd_ms"] = _time_ms(fwd_bwd, quick, device)
+    row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, device.type == "cuda")
     row["fwdbwd_TFLOPs_eff"] = 3.5 * flops / row["fwdbwd_ms"] * 1e-9
-    row["peak_MiB_fwdbwd"] = _peak_mib(fwd_bwd, device)
+    row["peak_MiB_fwdbwd"] = peak_mib(fwd_bwd, device.type == "cuda")
 
 
 def _bench_shape(s, device, dtype, quick, with_flex):
@@ -85,7 +64,8 @@ def _bench_shape(s, device, dtype, quick, with_flex):
     base = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs}
 
     ours = {**base, "impl": "dflash_kernels"}
-    ours["mask_ms"] = _time_ms(lambda: dflash_block_mask(anchors, S, BLOCK, window=W), quick, device)
+    ours["mask_ms"] = bench_ms(lambda: dflash_block_mask(anchors, S, BLOCK, window=W), quick,
+                               device.type == "cuda")
 
     def fwd():
         with torch.no_grad():

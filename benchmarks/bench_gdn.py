@@ -12,9 +12,9 @@ largest allocation above the inputs during one call. fla's backward refuses on H
 3.4 to 3.7.0; that refusal is reported as a row, not a crash. Called by ``benchmarks/ops.py gdn``.
 """
 
-import time
 
 import torch
+from bench_common import bench_ms, peak_mib
 import torch.nn.functional as F
 
 SHAPES = [dict(B=1, T=4096), dict(B=4, T=4096), dict(B=1, T=16384)]
@@ -29,28 +29,6 @@ def model_flops_fwd(B, T, Hv, K, V):
 
 def _shape_name(s):
     return f"B={s['B']},T={s['T']},Hk={s['Hk']},Hv={s['Hv']},K={s['K']},V={s['V']}"
-
-
-def _time_ms(fn, quick, device):
-    if device.type == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100,
-                                       return_mode="median")
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _peak_mib(fn, device):
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def _inputs(s, device, dtype):
@@ -91,9 +69,9 @@ def _bench_one(name, fn, s, device, dtype, quick):
 
     try:
         fwd_nograd()
-        row["fwd_ms"] = _time_ms(fwd_nograd, quick, device)
+        row["fwd_ms"] = bench_ms(fwd_nograd, quick, device.type == "cuda")
         row["fwd_TFLOPs_model"] = model_flops_fwd(s["B"], s["T"], s["Hv"], s["K"], s["V"]) / row["fwd_ms"] / 1e9
-        row["peak_MiB_fwd"] = _peak_mib(fwd_nograd, device)
+        row["peak_MiB_fwd"] = peak_mib(fwd_nograd, device.type == "cuda")
     except Exception as e:  # noqa: BLE001
         row["error"] = f"fwd: {type(e).__name__}: {str(e)[:200]}"
         return row
@@ -107,9 +85,9 @@ def _bench_one(name, fn, s, device, dtype, quick):
     except Exception as e:  # noqa: BLE001 - fla refuses its backward on this stack
         row["fwdbwd_ms"] = f"refused ({type(e).__name__}: {str(e)[:160]})"
         return row
-    row["fwdbwd_ms"] = _time_ms(fwd_bwd, quick, device)
+    row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, device.type == "cuda")
     row["fwdbwd_over_fwd"] = row["fwdbwd_ms"] / row["fwd_ms"]
-    row["peak_MiB_fwdbwd"] = _peak_mib(fwd_bwd, device)
+    row["peak_MiB_fwdbwd"] = peak_mib(fwd_bwd, device.type == "cuda")
     return row
 
 

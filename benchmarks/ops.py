@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dflash_kernels as dk  # noqa: E402
+from bench_common import bench_ms, peak_mib  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ops.jsonl")
 
@@ -31,31 +32,6 @@ def env_info() -> dict:
             "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
     info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return info
-
-
-def bench_ms(fn, quick=False) -> float:
-    """Median milliseconds of ``fn`` (CUDA events via do_bench); host wall time on the CPU."""
-    if torch.cuda.is_available():
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
-                                       return_mode="median")
-    fn()
-    n = 3
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e3
-
-
-def peak_mib(fn) -> float:
-    if not torch.cuda.is_available():
-        return float("nan")
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
 
 
 def copy_bandwidth_tbs() -> float:
@@ -126,9 +102,9 @@ def bench_conv(quick: bool, rows: list) -> list:
             try:
                 out = fwd()
                 grad = dy if out.shape == dy.shape else dy.transpose(1, 2).contiguous()
-                ms_f = bench_ms(lambda: fwd(), quick)
-                ms_fb = bench_ms(lambda: torch.autograd.grad(fwd(), (inp, w, bias), grad), quick)
-                mem = peak_mib(lambda: torch.autograd.grad(fwd(), (inp, w, bias), grad))
+                ms_f = bench_ms(lambda: fwd(), quick, cuda)
+                ms_fb = bench_ms(lambda: torch.autograd.grad(fwd(), (inp, w, bias), grad), quick, cuda)
+                mem = peak_mib(lambda: torch.autograd.grad(fwd(), (inp, w, bias), grad), cuda)
                 rows.append({"op": "conv", "impl": name, "shape": f"B={B} D={D} T={T} W={W}",
                              "dtype": str(dtype), "fwd_ms": ms_f, "fwdbwd_ms": ms_fb,
                              "fwd_TBps": bytes_fwd / (ms_f * 1e-3) / 1e12, "peak_MiB_fwdbwd": mem})

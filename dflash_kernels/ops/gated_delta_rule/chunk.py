@@ -320,6 +320,15 @@ def check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     return N, float(scale)
 
 
+def run_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
+    """The ``reference`` backend of both functionals: the fp32 time loop, output cast to q's dtype."""
+    from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    o, final_state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
+                                                      output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
+    return o.to(q.dtype), final_state
+
+
 def _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk  # the one place fla is imported
 
@@ -353,11 +362,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     N, scale = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     backend = resolve(OP, q.device)
     if backend == "reference":
-        from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-
-        o, final_state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
-                                                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-        return o.to(q.dtype), final_state
+        return run_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                             cu_seqlens)
     if backend == "fla":
         return _fla_chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                           cu_seqlens)

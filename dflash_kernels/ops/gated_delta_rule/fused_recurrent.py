@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels.ops.gated_delta_rule.chunk import L2NORM_EPS, OP, check_gdn_inputs
+from dflash_kernels.ops.gated_delta_rule.chunk import L2NORM_EPS, OP, check_gdn_inputs, run_reference
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import sequence_bounds
 from dflash_kernels.runtime import Config, TritonKernel, alloc, resolve
 
@@ -97,11 +97,8 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     _, scale = check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     backend = resolve(OP, q.device)
     if backend == "reference":
-        from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-
-        o, final_state = naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale, initial_state,
-                                                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-        return o.to(q.dtype), final_state
+        return run_reference(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                             cu_seqlens)
     if backend == "fla":
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
