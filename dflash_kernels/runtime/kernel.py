@@ -24,7 +24,7 @@ import triton
 from triton import knobs
 
 from dflash_kernels.runtime import settings, tuning
-from dflash_kernels.runtime.devices import current_stream, device_index, on_device
+from dflash_kernels.runtime.devices import current_stream, on_device
 
 try:
     from triton.runtime.jit import native_specialize_impl as _specialize
@@ -33,6 +33,24 @@ except ImportError:  # pragma: no cover - triton < 3.3 kept it under another nam
 from triton.backends.compiler import BaseBackend
 
 __all__ = ["Config", "TritonKernel", "cache_info", "reset_cache", "all_kernels"]
+
+
+try:  # the raw getter: torch.cuda.current_device() adds a lazy-init check per call
+    from torch._C import _cuda_getDevice as _get_device
+except ImportError:  # pragma: no cover - CPU-only builds of torch
+    _get_device = torch.cuda.current_device
+
+
+def _no_fast_spec(*args):
+    return None
+
+
+def _active(hook):
+    """A launch hook, or None when none is installed: Triton 3.5+ keeps an always-present (and
+    always truthy) ``HookChain`` that would cost a Python call per launch when empty."""
+    if hook is None or not getattr(hook, "calls", True):
+        return None
+    return hook
 
 
 class Config:
@@ -117,6 +135,8 @@ class TritonKernel:
         dns = self._flag_set(fn, "do_not_specialize")
         dnsa = self._flag_set(fn, "do_not_specialize_on_alignment")
         self._spec = self._make_spec(self.runtime_names, dns, dnsa)
+        self._dns, self._dnsa = dns, dnsa
+        self._fast_spec = None  # generated from the first call's argument types; see _make_fast_spec
         self._reset_idx = [self.runtime_names.index(n) for n in reset_to_zero]
         self._restore_idx = [self.runtime_names.index(n) for n in restore]
         self._source_hash = self._hash_source(fn)
@@ -151,6 +171,37 @@ class TritonKernel:
         exec(src, namespace)
         return namespace["spec"]
 
+    def _make_fast_spec(self, args):
+        """Generate ``fast(*args) -> key or None`` for the argument types of ``args``.
+
+        It returns the same information as Triton's specialization (dtype and 16-byte alignment of a
+        tensor, i32/i64/u64 width and, unless ``do_not_specialize``, ``== 1`` and ``% 16 == 0`` of an
+        int) in plain attribute reads and comparisons, about a third of the cost of calling
+        ``native_specialize_impl`` per argument. It returns None when an argument's type differs
+        from the pattern, and the caller falls back to the generic key. Returns None (no fast path)
+        for argument types it does not know.
+        """
+        conds, items, namespace = [], [], {}
+        for i, (name, a) in enumerate(zip(self.runtime_names, args)):
+            namespace[f"_T{i}"] = type(a)
+            conds.append(f"type(a{i}) is _T{i}")
+            if isinstance(a, torch.Tensor):
+                items.append(f"a{i}.dtype")
+                if name not in self._dnsa and i not in self._dnsa:
+                    items.append(f"a{i}.data_ptr() & 15 == 0")
+            elif type(a) is int:
+                if name not in self._dns and i not in self._dns:
+                    items += [f"a{i} == 1", f"a{i} & 15 == 0"]
+                items.append(f"(0 if -2147483648 <= a{i} <= 2147483647 else 1 if a{i} < 9223372036854775808 else 2)")
+            elif a is not None and type(a) not in (float, bool):
+                return None  # the types fully determine Triton's treatment of None, float and bool
+        n = len(args)
+        src = (f"def fast({', '.join(f'a{i}' for i in range(n))}):\n"
+               f"    if not ({' and '.join(conds) or 'True'}):\n        return None\n"
+               f"    return ('fast', {', '.join(items)}{',' if len(items) == 1 else ''})\n")
+        exec(src, namespace)
+        return namespace["fast"]
+
     @staticmethod
     def _hash_source(fn) -> str:
         try:
@@ -164,7 +215,13 @@ class TritonKernel:
     def __call__(self, grid, *args, bucket=(), **constexprs):
         """Launch on the device of the first tensor argument. See the class docstring."""
         dev = self._device_of(args)
-        key = (bucket, tuple(constexprs.items()), self._spec(*args), dev)
+        fast = self._fast_spec
+        if fast is None:
+            fast = self._first_call_spec(args)
+        spec = fast(*args)
+        if spec is None:  # argument types differ from the first call's: Triton's own specialization
+            spec = self._spec(*args)
+        key = (bucket, tuple(constexprs.items()), spec, dev)
         entry = self._cache.get(key)
         if entry is None:
             entry = self._miss(key, grid, args, constexprs, dev)
@@ -172,11 +229,19 @@ class TritonKernel:
             entry.hits += 1  # statistics only: a lost increment under a race is acceptable
         entry.launch(grid, args)
 
+    def _first_call_spec(self, args):
+        # Built once, under a lock, so every thread computes keys with the same function.
+        with self._key_locks_guard:
+            if self._fast_spec is None:
+                fast = self._make_fast_spec(args) if len(args) == len(self.runtime_names) else None
+                self._fast_spec = fast or _no_fast_spec
+            return self._fast_spec
+
     @staticmethod
     def _device_of(args):
         for a in args:
             if isinstance(a, torch.Tensor):
-                return -1 if a.device.type == "cpu" else device_index(a.device)
+                return a.get_device()  # -1 on the CPU, else the CUDA ordinal
         raise AssertionError("a kernel launch needs at least one tensor argument")
 
     # ------------------------------------------------------------------ miss path
@@ -234,9 +299,9 @@ class TritonKernel:
             g0 = g[0]
             g1 = g[1] if len(g) > 1 else 1
             g2 = g[2] if len(g) > 2 else 1
-            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-            lm = compiled.launch_metadata(g, current_stream(dev), *args, *tail) if enter else None
-            if torch.cuda.current_device() != dev:
+            enter, leave = _active(knobs.runtime.launch_enter_hook), _active(knobs.runtime.launch_exit_hook)
+            lm = compiled.launch_metadata(g, current_stream(dev), *args, *tail) if enter is not None else None
+            if _get_device() != dev:
                 with on_device(dev):
                     run(g0, g1, g2, current_stream(dev), function, packed, lm, enter, leave, *args, *tail)
             else:

@@ -229,3 +229,30 @@ def test_gpu_threads_on_fresh_shapes_fwd_bwd(monkeypatch, tmp_path):
         for a, b in zip(results[i], ref):
             assert torch.equal(a, b), f"thread {i}"
     assert all(v["compiles"] == 1 for v in _conv_keys().values())
+
+
+def test_fast_key_matches_triton_specialization():
+    # The hot path's generated key must separate exactly the argument sets Triton compiles differently.
+    from dflash_kernels.ops.conv1d import conv1d as conv_mod
+    kernel = conv_mod._fwd
+    x = torch.randn(2, 8, 40)
+    w = torch.randn(8, 4)
+
+    def args(x=x, w=w, T=40, stride=320):
+        return (x, w, w, x, x, x, x, T, 8, stride, 40, 1, 0, 0, 0, 0, 0, 0, 0)
+
+    fast = kernel._make_fast_spec(args())
+    variants = [
+        args(), args(T=41), args(T=2 ** 31), args(T=2 ** 63), args(T=-5),
+        args(x=x.to(torch.bfloat16)), args(x=torch.randn(2 * 8 * 40 + 1)[1:].view(2, 8, 40)),
+        args(stride=1), args(stride=16), args(stride=17),
+        args(w=torch.randn(8, 4, dtype=torch.float16)),
+    ]
+    for a in variants:
+        for b in variants:
+            same_fast = fast(*a) == fast(*b)
+            same_triton = kernel._spec(*a) == kernel._spec(*b)
+            assert same_fast == same_triton, (a[7:10], b[7:10])
+    # A type the first call did not have (None where a tensor was) is not answered by the fast key.
+    assert fast(*(args()[:2] + (None,) + args()[3:])) is None
+    assert fast(*(args()[:7] + (40.0,) + args()[8:])) is None
