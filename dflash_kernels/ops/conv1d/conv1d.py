@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from dflash_kernels.ops.conv1d import cuda as _cuda  # the CUDA extension path (issue 5)
 from dflash_kernels.ops.conv1d.kernels import (
     causal_conv1d_bwd_kernel,
     causal_conv1d_fwd_kernel,
@@ -25,7 +26,7 @@ from dflash_kernels.runtime.precompile import register_precompile
 __all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd"]
 
 OP = "conv1d"
-backends.register_op(OP, peers={"causal_conv1d": "causal_conv1d"})
+backends.register_op(OP, peers={"causal_conv1d": "causal_conv1d"}, extra={"cuda": _cuda.available})
 
 _ACTIVATIONS = (None, "silu", "swish")
 _SEQ_DTYPES = (torch.int32, torch.int64)
@@ -60,14 +61,36 @@ def _is_channel_last(x: torch.Tensor) -> bool:
 
 
 def _with_unit_stride(t: torch.Tensor, channel_last: bool) -> torch.Tensor:
-    """``t`` ``[B, D, T]`` with stride 1 along D (channel-last) or T; copied only when needed."""
+    """``t`` ``[B, D, T]`` laid out densely, channel-last (a ``[B, T, D]`` view) or channel-first;
+    copied only when it is not. Dense matters as much as the unit stride: the Triton launchers
+    allocate outputs with ``empty_like`` and write them with the input's strides."""
     if channel_last:
-        return t if t.stride(1) == 1 else t.transpose(1, 2).contiguous().transpose(1, 2)
-    return t if t.stride(2) == 1 else t.contiguous()
+        return t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
+    return t.contiguous()
 
 
 # ---------------------------------------------------------------------------------------- launchers
+# Backend "cuda" runs the CUDA extension's launchers (ops/conv1d/cuda.py, same signatures); under
+# "auto" on a CUDA input with the extension built, the faster of the two per shape bucket runs.
 def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, silu: bool, return_final_states: bool):
+    """Forward on the chosen implementation; see ``_triton_fwd`` for the arguments and returns."""
+    return _cuda.dispatch("fwd", backends.get_backend(OP), _triton_fwd, _cuda.cuda_causal_conv1d_fwd,
+                          (x, weight, bias, seq_idx, initial_states, silu, return_final_states))
+
+
+def causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool):
+    """Backward on the chosen implementation; see ``_triton_bwd``."""
+    return _cuda.dispatch("bwd", backends.get_backend(OP), _triton_bwd, _cuda.cuda_causal_conv1d_bwd,
+                          (dy, dfinal, x, weight, bias, seq_idx, initial_states, silu))
+
+
+def causal_conv1d_update_fwd(x, conv_state, weight, bias, silu: bool):
+    """Decode step on the chosen implementation; see ``_triton_update``."""
+    return _cuda.dispatch("update", backends.get_backend(OP), _triton_update, _cuda.cuda_causal_conv1d_update,
+                          (x, conv_state, weight, bias, silu))
+
+
+def _triton_fwd(x, weight, bias, seq_idx, initial_states, silu: bool, return_final_states: bool):
     """Launch the forward. x ``[B, D, T]`` with unit stride along T or D; weight contiguous ``[D, W]``.
 
     Returns ``(y, final_states)``; y has x's strides; final_states is ``[B, D, W-1]`` or empty.
@@ -92,7 +115,7 @@ def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, silu: bool, retu
     return y, final
 
 
-def causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool):
+def _triton_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool):
     """Launch the backward. Returns ``(dx, dweight, dbias or None, dinitial_states or None)``."""
     B, D, T = x.shape
     W = weight.shape[1]
@@ -123,7 +146,7 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu
     return dx, dweight, dbias, (dinit if initial_states is not None else None)
 
 
-def causal_conv1d_update_fwd(x, conv_state, weight, bias, silu: bool):
+def _triton_update(x, conv_state, weight, bias, silu: bool):
     """Launch the decode step: x ``[B, D, L]``, conv_state ``[B, D, S]`` updated in place."""
     B, D, L = x.shape
     S = conv_state.shape[2]

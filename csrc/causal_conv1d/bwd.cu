@@ -1,0 +1,397 @@
+// Backward of the causal depthwise conv1d: dx, partial dweight/dbias, dinitial_states.
+//
+// x[t] feeds outputs u = t + s (s = 0..W-1) through weight W-1-s, so
+//     dx[t] = sum_s w[W-1-s] * g[t+s] * [seq(t+s) == seq(t)],   g = dy * act'(pre),
+// with pre recomputed from x (never stored). dweight[i] = sum_t g[t] * x[t-(W-1-i)] and
+// dbias = sum_t g[t] are reduced per block and written as one fp32 partial row per block; the host
+// sums the rows (deterministic: no float atomics). dfinal_states[j] adds to dx at T-(W-1)+j.
+
+#include "layout.cuh"
+
+namespace dflash {
+namespace {
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kCfThreads)
+bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const bool vec) {
+    constexpr int N = 16 / sizeof(T);
+    constexpr int64_t kTile = cf_tile<T>();
+    constexpr int kWarps = kCfThreads / 32;
+    const int64_t row = blockIdx.x / n_tiles;
+    const int64_t tile = blockIdx.x - row * n_tiles;
+    const int64_t b = row / p.dim, d = row - (row / p.dim) * p.dim;
+    const int64_t T_ = p.seqlen;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const bool has_seq = p.seq_idx != nullptr;
+
+    float w[W];
+#pragma unroll
+    for (int i = 0; i < W; ++i) w[i] = weight_at(p, d, i);
+    const float bias = bias_at(p, d);
+    const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + d * p.x_sd;
+    const T* dyr = static_cast<const T*>(p.dy) + b * p.dy_sb + d * p.dy_sd;
+    T* dxr = static_cast<T*>(p.dx) + b * p.dx_sb + d * p.dx_sd;
+
+    float xv[kCfChunks][N], gv[kCfChunks][N];
+    int64_t t0[kCfChunks];
+    int nn[kCfChunks];
+#pragma unroll
+    for (int c = 0; c < kCfChunks; ++c) {
+        t0[c] = tile * kTile + int64_t(c) * kCfThreads * N + int64_t(threadIdx.x) * N;
+        const int64_t left = T_ - t0[c];
+        nn[c] = left <= 0 ? 0 : (left >= N ? N : int(left));
+        load_vec<T, 16>(xr + t0[c] * p.x_st, p.x_st, nn[c], vec && nn[c] == N, xv[c]);
+        load_vec<T, 16>(dyr + t0[c] * p.dy_st, p.dy_st, nn[c], vec && nn[c] == N, gv[c]);
+    }
+
+    float dw[W], db = 0.f;
+#pragma unroll
+    for (int i = 0; i < W; ++i) dw[i] = 0.f;
+
+#pragma unroll
+    for (int c = 0; c < kCfChunks; ++c) {
+        float win[N + W - 1];  // input at t0 - (W - 1) + j
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) win[j] = __shfl_up_sync(kFullMask, xv[c][N - (W - 1) + j], 1);
+        if (lane == 0) {
+#pragma unroll
+            for (int j = 0; j < W - 1; ++j) win[j] = src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) win[W - 1 + k] = xv[c][k];
+
+        // Sequence ids at times t0 - (W - 1) .. t0 + N - 1 + (W - 1); -2 past the end.
+        int sq[N + 2 * (W - 1)];
+        if (has_seq) {
+#pragma unroll
+            for (int j = 0; j < N + 2 * (W - 1); ++j) {
+                const int64_t s = t0[c] - (W - 1) + j;
+                sq[j] = s < T_ ? seq_at(p, b, s) : -2;
+            }
+        }
+
+        // g at this thread's own times (zero past T, where dy was loaded as zero).
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            if (p.silu) {
+                float pre = bias;
+#pragma unroll
+                for (int i = 0; i < W; ++i) {
+                    const bool keep = !has_seq || sq[k + i] == sq[k + W - 1];
+                    pre += keep ? w[i] * win[k + i] : 0.f;
+                }
+                gv[c][k] *= silu_grad(pre);
+            }
+            const float g = gv[c][k];
+            db += g;
+#pragma unroll
+            for (int i = 0; i < W; ++i) {
+                const bool keep = !has_seq || sq[k + i] == sq[k + W - 1];
+                dw[i] += keep ? g * win[k + i] : 0.f;
+            }
+        }
+
+        // g at the W - 1 times after this thread's last: from the lane above, or recomputed at a
+        // warp's edge.
+        float gh[W - 1];
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) gh[j] = __shfl_down_sync(kFullMask, gv[c][j], 1);
+        if (lane == 31) {
+#pragma unroll
+            for (int j = 0; j < W - 1; ++j) gh[j] = g_at<T, W>(p, b, d, t0[c] + N + j);
+        }
+        if (nn[c] == 0) continue;  // after the shuffles: every lane takes part in them
+
+        float dx[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            float acc = 0.f;
+#pragma unroll
+            for (int s = 0; s < W; ++s) {
+                const float g = k + s < N ? gv[c][k + s] : gh[k + s - N];
+                const bool keep = !has_seq || sq[W - 1 + k + s] == sq[W - 1 + k];
+                acc += keep ? w[W - 1 - s] * g : 0.f;
+            }
+            if (p.dfinal != nullptr) {
+                const int64_t j = t0[c] + k - (T_ - (W - 1));
+                if (j >= 0 && j < W - 1)
+                    acc += load_any(p.dfinal, p.dfin_dtype, b * p.dfin_sb + d * p.dfin_sd + j * p.dfin_st);
+            }
+            dx[k] = acc;
+        }
+        store_vec<T, 16>(dxr + t0[c] * p.dx_st, p.dx_st, nn[c], vec && nn[c] == N, dx);
+    }
+
+    if (p.init != nullptr && p.dinit != nullptr && tile == 0 && threadIdx.x == 0) write_dinit<T, W>(p, b, d);
+
+    // Block sums of dweight and dbias in a fixed order: warp tree, then warp 0 over the warps.
+    __shared__ float red[kWarps][W + 1];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) dw[i] += __shfl_xor_sync(kFullMask, dw[i], off);
+        db += __shfl_xor_sync(kFullMask, db, off);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) red[warp][i] = dw[i];
+        red[warp][W] = db;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int64_t part = b * n_tiles + tile;
+#pragma unroll
+        for (int i = 0; i <= W; ++i) {
+            float acc = 0.f;
+#pragma unroll
+            for (int v = 0; v < kWarps; ++v) acc += red[v][i];
+            if (i < W) p.dweight_part[(part * p.dim + d) * W + i] = acc;
+            else if (p.dbias_part != nullptr) p.dbias_part[part * p.dim + d] = acc;
+        }
+    }
+}
+
+// Channel-last: 8-byte accesses (4 bf16 channels per thread) keep the register count, and with it
+// the number of resident threads, up; a warp still covers 256 contiguous bytes per time step.
+template <typename T>
+__host__ __device__ constexpr int cl_bwd_elems() { return 8 / sizeof(T); }
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kClLanes * kClRows)
+bwd_channel_last_kernel(const DflashConvParams p, const int64_t L, const bool vec) {
+    constexpr int N = cl_bwd_elems<T>();
+    constexpr int U = 4;
+    const int64_t d0 = (int64_t(blockIdx.x) * kClLanes + threadIdx.x) * N;
+    const int64_t ts = (int64_t(blockIdx.y) * kClRows + threadIdx.y) * L;
+    const int64_t b = blockIdx.z;
+    const int64_t T_ = p.seqlen;
+    const int64_t left_d = p.dim - d0;
+    const int nd = left_d <= 0 ? 0 : (left_d >= N ? N : int(left_d));
+    const bool has_seq = p.seq_idx != nullptr;
+    const bool active = nd > 0 && ts < T_;
+
+    if (p.init != nullptr && p.dinit != nullptr && blockIdx.y == 0 && threadIdx.y == 0) {
+        for (int k = 0; k < nd; ++k) write_dinit<T, W>(p, b, d0 + k);
+    }
+
+    float dw[N][W], db[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        db[k] = 0.f;
+#pragma unroll
+        for (int i = 0; i < W; ++i) dw[k][i] = 0.f;
+    }
+
+    if (active) {
+        float w[N][W], bias[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            const int64_t d = k < nd ? d0 + k : d0;
+#pragma unroll
+            for (int i = 0; i < W; ++i) w[k][i] = weight_at(p, d, i);
+            bias[k] = bias_at(p, d);
+        }
+        const bool vec_here = vec && nd == N;
+        const T* xb = static_cast<const T*>(p.x) + b * p.x_sb + d0 * p.x_sd;
+        const T* dyb = static_cast<const T*>(p.dy) + b * p.dy_sb + d0 * p.dy_sd;
+        T* dxb = static_cast<T*>(p.dx) + b * p.dx_sb + d0 * p.dx_sd;
+
+        // Before step u: xw[j] / sx[j] = input and sequence id at time u - (W - 1) + j;
+        // gr[j] / sg[j] = g and sequence id at the same times (only read once t = u - (W-1) >= ts).
+        float xw[W - 1][N], gr[W - 1][N];
+        int sx[W - 1], sg[W - 1];
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) {
+            const int64_t s = ts - (W - 1) + j;
+            if (s >= 0) {
+                load_vec<T, 8>(xb + s * p.x_st, p.x_sd, nd, vec_here, xw[j]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < N; ++k) xw[j][k] = k < nd ? src_x<T, W>(p, b, d0 + k, s) : 0.f;
+            }
+            sx[j] = has_seq ? seq_at(p, b, s) : 0;
+            sg[j] = sx[j];
+#pragma unroll
+            for (int k = 0; k < N; ++k) gr[j][k] = 0.f;
+        }
+
+        const int64_t te = ts + L < T_ ? ts + L : T_;
+        const int64_t ue = te + (W - 1);  // g is needed W - 1 steps past the run for its last dx
+        for (int64_t ub = ts; ub < ue; ub += U) {
+            float xin[U][N], dyin[U][N];
+            int sin[U];
+#pragma unroll
+            for (int v = 0; v < U; ++v) {
+                const int64_t u = ub + v;
+                if (u < ue && u < T_) {
+                    load_vec<T, 8>(xb + u * p.x_st, p.x_sd, nd, vec_here, xin[v]);
+                    load_vec<T, 8>(dyb + u * p.dy_st, p.dy_sd, nd, vec_here, dyin[v]);
+                    sin[v] = has_seq ? seq_at(p, b, u) : 0;
+                } else {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) xin[v][k] = dyin[v][k] = 0.f;
+                    sin[v] = -2;
+                }
+            }
+#pragma unroll
+            for (int v = 0; v < U; ++v) {
+                const int64_t u = ub + v;
+                if (u >= ue) break;
+                float g[N];
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    g[k] = dyin[v][k];
+                    if (p.silu) {
+                        float pre = bias[k] + w[k][W - 1] * xin[v][k];
+#pragma unroll
+                        for (int i = 0; i < W - 1; ++i) pre += (!has_seq || sx[i] == sin[v]) ? w[k][i] * xw[i][k] : 0.f;
+                        g[k] *= silu_grad(pre);
+                    }
+                }
+                if (u < te) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) {
+                        db[k] += g[k];
+                        dw[k][W - 1] += g[k] * xin[v][k];
+#pragma unroll
+                        for (int i = 0; i < W - 1; ++i)
+                            dw[k][i] += (!has_seq || sx[i] == sin[v]) ? g[k] * xw[i][k] : 0.f;
+                    }
+                }
+                const int64_t t = u - (W - 1);
+                if (t >= ts) {
+                    // dx[t] = sum_s w[W-1-s] g[t+s]: s < W-1 from the ring, s = W-1 is g[u].
+                    float dx[N];
+#pragma unroll
+                    for (int k = 0; k < N; ++k) {
+                        float acc = (!has_seq || sin[v] == sg[0]) ? w[k][0] * g[k] : 0.f;
+#pragma unroll
+                        for (int s = 0; s < W - 1; ++s)
+                            acc += (!has_seq || sg[s] == sg[0]) ? w[k][W - 1 - s] * gr[s][k] : 0.f;
+                        if (p.dfinal != nullptr && k < nd) {
+                            const int64_t j = t - (T_ - (W - 1));
+                            if (j >= 0 && j < W - 1)
+                                acc += load_any(p.dfinal, p.dfin_dtype,
+                                                b * p.dfin_sb + (d0 + k) * p.dfin_sd + j * p.dfin_st);
+                        }
+                        dx[k] = acc;
+                    }
+                    store_vec<T, 8>(dxb + t * p.dx_st, p.dx_sd, nd, vec_here, dx);
+                }
+#pragma unroll
+                for (int j = 0; j < W - 2; ++j) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) {
+                        xw[j][k] = xw[j + 1][k];
+                        gr[j][k] = gr[j + 1][k];
+                    }
+                    sx[j] = sx[j + 1];
+                    sg[j] = sg[j + 1];
+                }
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    xw[W - 2][k] = xin[v][k];
+                    gr[W - 2][k] = g[k];
+                }
+                sx[W - 2] = sin[v];
+                sg[W - 2] = sin[v];
+            }
+        }
+    }
+
+    // Sum the rows of threads in a fixed order through shared memory, then one partial per block.
+    __shared__ float red[kClLanes][N * (W + 1)];
+    for (int r = 0; r < kClRows; ++r) {
+        if (threadIdx.y == r) {
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+#pragma unroll
+                for (int i = 0; i < W; ++i)
+                    red[threadIdx.x][k * (W + 1) + i] = (r == 0 ? 0.f : red[threadIdx.x][k * (W + 1) + i]) + dw[k][i];
+                red[threadIdx.x][k * (W + 1) + W] = (r == 0 ? 0.f : red[threadIdx.x][k * (W + 1) + W]) + db[k];
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.y == 0) {
+        const int64_t part = b * gridDim.y + blockIdx.y;
+        for (int k = 0; k < nd; ++k) {
+            const int64_t d = d0 + k;
+#pragma unroll
+            for (int i = 0; i < W; ++i) p.dweight_part[(part * p.dim + d) * W + i] = red[threadIdx.x][k * (W + 1) + i];
+            if (p.dbias_part != nullptr) p.dbias_part[part * p.dim + d] = red[threadIdx.x][k * (W + 1) + W];
+        }
+    }
+}
+
+template <typename T>
+int64_t cl_bwd_run_length(const DflashConvParams& p) { return cl_run_length(p, cl_bwd_elems<T>()); }
+
+template <typename T>
+int64_t partials(const DflashConvParams& p) {
+    if (!p.channel_last) return p.batch * ceil_div(p.seqlen, cf_tile<T>());
+    return p.batch * ceil_div(p.seqlen, cl_bwd_run_length<T>(p) * kClRows);
+}
+
+template <typename T, int W>
+cudaError_t launch_bwd(const DflashConvParams& p, cudaStream_t stream) {
+    const bool cl = p.channel_last != 0;
+    if (!cl) {
+        constexpr int N = 16 / sizeof(T);
+        const bool vec = vec_ok(p.x, p.x_sb, p.x_sd, p.x_st, false, N, 16) &&
+                         vec_ok(p.dy, p.dy_sb, p.dy_sd, p.dy_st, false, N, 16) &&
+                         vec_ok(p.dx, p.dx_sb, p.dx_sd, p.dx_st, false, N, 16);
+        const int64_t n_tiles = ceil_div(p.seqlen, cf_tile<T>());
+        const int64_t blocks = p.batch * p.dim * n_tiles;
+        if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+        bwd_channel_first_kernel<T, W><<<unsigned(blocks), kCfThreads, 0, stream>>>(p, n_tiles, vec);
+    } else {
+        constexpr int N = cl_bwd_elems<T>();
+        const bool vec = vec_ok(p.x, p.x_sb, p.x_sd, p.x_st, true, N, 8) &&
+                         vec_ok(p.dy, p.dy_sb, p.dy_sd, p.dy_st, true, N, 8) &&
+                         vec_ok(p.dx, p.dx_sb, p.dx_sd, p.dx_st, true, N, 8);
+        const int64_t L = cl_bwd_run_length<T>(p);
+        const dim3 grid(unsigned(ceil_div(p.dim, int64_t(kClLanes) * N)),
+                        unsigned(ceil_div(p.seqlen, L * kClRows)), unsigned(p.batch));
+        if (grid.y > 65535u || grid.z > 65535u) return cudaErrorInvalidValue;
+        bwd_channel_last_kernel<T, W><<<grid, dim3(kClLanes, kClRows), 0, stream>>>(p, L, vec);
+    }
+    return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_bwd_width(const DflashConvParams& p, cudaStream_t stream) {
+    switch (p.width) {
+        case 2: return launch_bwd<T, 2>(p, stream);
+        case 3: return launch_bwd<T, 3>(p, stream);
+        case 4: return launch_bwd<T, 4>(p, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
+
+}  // namespace
+}  // namespace dflash
+
+extern "C" int64_t dflash_causal_conv1d_bwd_partials(const DflashConvParams* p) {
+    switch (p->x_dtype) {
+        case DFLASH_F32: return dflash::partials<float>(*p);
+        case DFLASH_F16: return dflash::partials<__half>(*p);
+        case DFLASH_BF16: return dflash::partials<__nv_bfloat16>(*p);
+        default: return -1;
+    }
+}
+
+extern "C" cudaError_t dflash_causal_conv1d_bwd(const DflashConvParams* p, cudaStream_t stream) {
+    if (p == nullptr || p->x == nullptr || p->dy == nullptr || p->dx == nullptr || p->weight == nullptr ||
+        p->dweight_part == nullptr || (p->bias != nullptr && p->dbias_part == nullptr) ||
+        (p->init != nullptr && p->dinit == nullptr))
+        return cudaErrorInvalidValue;
+    if (p->batch == 0 || p->dim == 0) return cudaSuccess;
+    if (p->batch < 0 || p->dim < 0 || p->seqlen <= 0) return cudaErrorInvalidValue;
+    switch (p->x_dtype) {
+        case DFLASH_F32: return dflash::launch_bwd_width<float>(*p, stream);
+        case DFLASH_F16: return dflash::launch_bwd_width<__half>(*p, stream);
+        case DFLASH_BF16: return dflash::launch_bwd_width<__nv_bfloat16>(*p, stream);
+        default: return cudaErrorInvalidValue;
+    }
+}
