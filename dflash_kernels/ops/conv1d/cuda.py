@@ -197,7 +197,7 @@ def dispatch(kind: str, backend: str, run_triton, run_cuda, args: tuple):
     if backend != "auto" or _C is None or x.device.type != "cuda" or settings.interpreting():
         return run_triton(*args)
     bucket = _bucket_of(kind, args)
-    impl = _choices.get((x.get_device(), bucket))
+    impl = _choices.get((device_index(x.device), bucket))
     if impl is None:
         # The decode step updates conv_state in place: time it on a scratch copy.
         trial_args = (args[0], args[1].clone()) + tuple(args[2:]) if kind == "update" else args

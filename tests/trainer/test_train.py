@@ -1,0 +1,66 @@
+"""The training loop on a tiny random Qwen3 target: loss goes down, resume repeats the trajectory,
+checkpoints and the HF-style drafter folder are written."""
+
+import json
+import os
+
+import torch
+
+from trainer.config import preset
+from trainer.model import DFlashDrafter
+from trainer.train import train
+
+
+def tiny_cfg(target, data, out, **kw):
+    return preset("tiny", target=target, data=data, out_dir=str(out), **kw)
+
+
+def test_tiny_run_loss_decreases(tmp_path, tiny_qwen3_dir, counting_data):
+    hist = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path, steps=16, warmup_ratio=0.1), log=lambda s: None)
+    losses = [r["loss"] for r in hist]
+    assert len(losses) == 16 and all(map(lambda x: x == x, losses))
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.7 * first, losses
+    assert hist[-1]["acc"] > hist[0]["acc"]
+    # The drafter folder carries the DFlash fields and loads back to the same weights.
+    with open(tmp_path / "drafter" / "config.json") as f:
+        meta = json.load(f)
+    assert meta["block_size"] == 16 and meta["target_layer_ids"] == [1, 3] and meta["mask_token_id"] == 3
+    d = DFlashDrafter.from_pretrained(str(tmp_path / "drafter"))
+    ck = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert ck["step"] == 16 and set(ck) >= {"model", "optimizer", "scheduler", "config", "rng"}
+    assert all(torch.equal(v, ck["model"][k]) for k, v in d.state_dict().items())
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p]
+
+
+def test_resume_repeats_the_uninterrupted_trajectory(tmp_path, tiny_qwen3_dir, counting_data):
+    quiet = lambda s: None  # noqa: E731
+    full = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / "a", steps=6), log=quiet)
+    part = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / "b", steps=6), log=quiet, stop_after=3)
+    assert len(part) == 3
+    torch.manual_seed(123)  # the resumed run must not depend on the process's RNG state at start
+    resumed = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / "b", steps=6), resume=True, log=quiet)
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["lr"] for r in resumed] == [r["lr"] for r in full]
+    with open(tmp_path / "b" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, 7))
+
+
+def test_cli_log_line(tmp_path, tiny_qwen3_dir, counting_data, capsys):
+    from trainer.train import main
+
+    main(["--preset", "tiny", "--target", tiny_qwen3_dir, "--data", counting_data, "--out-dir", str(tmp_path),
+          "--steps", "2", "--log-interval", "2", "--num-anchors", "3", "--target-layer-ids", "2,4"])
+    out = capsys.readouterr().out
+    line = [s for s in out.splitlines() if s.startswith("step 2/2")]
+    assert line, out
+    for field in ("loss", "acc", "tok/s", "ms/step", "peak", "GiB", "eta"):
+        assert field in line[0]
+    assert "data: " in out and "kept 16 of 16 records" in out
+    assert json_load(tmp_path / "drafter" / "config.json")["target_layer_ids"] == [2, 4]
+
+
+def json_load(path):
+    with open(path) as f:
+        return json.load(f)

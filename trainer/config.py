@@ -1,0 +1,139 @@
+"""The trainer's one configuration: a typed dataclass with a comment per field, and named presets.
+
+Values follow DFlash as published and as SpecForge trains it (block 16, 512 anchors, gamma 7,
+5 drafter layers, k = 5 target layers from 1 to L-3, AdamW 6e-4 with 4% warm-up and cosine decay).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["TrainConfig", "PRESETS", "preset", "default_target_layer_ids", "add_cli_args", "from_cli"]
+
+DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash_trainer")
+
+
+@dataclass
+class TrainConfig:
+    # --- target and data ---
+    target: str = ""  # local HF causal-LM folder; "" = the embedded default (python -m trainer.build_default)
+    data: str = ""  # JSONL: chat conversations ("messages") or pre-tokenized ("input_ids", "loss_mask"); "" = default
+    eval_prompts: str = ""  # JSONL of held-out prompts for trainer.eval; "" = the embedded default's
+    out_dir: str = "runs/dflash"  # checkpoints, the drafter folder and metrics.jsonl go here
+    max_len: int = 3072  # tokens per sequence; longer records are truncated, shorter ones padded
+    # --- DFlash ---
+    block_size: int = 16  # draft block: position 0 the anchor token, 1..block_size-1 mask tokens
+    num_anchors: int = 512  # anchors (draft blocks) per sequence, capped by the valid positions
+    gamma: float = 7.0  # loss weight of block position j is exp(-(j - 1) / gamma)
+    mask_token_id: int | None = None  # None: tokenizer's mask token, else its pad token, else vocab - 1
+    num_target_layers: int = 5  # k target hidden states concatenated into the drafter's features
+    target_layer_ids: list[int] | None = None  # decoder-layer indices (0-based); None = k spaced from 1 to L-3
+    # --- drafter architecture (hidden size, vocab come from the target) ---
+    num_layers: int = 5  # drafter decoder layers
+    num_sliding_layers: int = 2  # the first this many layers see only `sliding_window` context tokens
+    sliding_window: int = 2048  # context window of the sliding layers
+    num_heads: int = 32  # query heads; head_dim * num_heads need not equal the hidden size
+    num_kv_heads: int = 8  # key/value heads (GQA)
+    head_dim: int = 128  # 64, 128 or 256 (the attention kernel's head dims)
+    intermediate_size: int | None = None  # SwiGLU width; None = the target's
+    rope_theta: float = 1_000_000.0  # RoPE base
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    # --- optimisation ---
+    batch_size: int = 1  # sequences per step
+    steps: int = 0  # optimiser steps; 0 = epochs * steps per epoch
+    epochs: int = 6  # passes over the data when steps == 0
+    lr: float = 6e-4  # peak learning rate (AdamW)
+    warmup_ratio: float = 0.04  # linear warm-up over this fraction of the steps, then cosine to min_lr_ratio
+    min_lr_ratio: float = 0.0  # final lr / peak lr
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    grad_clip: float = 1.0  # max global gradient norm
+    seed: int = 0  # model init, data order and anchor sampling
+    # --- runtime ---
+    device: str = "auto"  # "auto" = cuda if available else cpu
+    dtype: str = "auto"  # compute dtype: "auto" = bfloat16 on GPU, float32 on CPU
+    log_interval: int = 10  # steps between log lines
+    save_interval: int = 500  # steps between checkpoints (and one at the end)
+    cache_dir: str = DEFAULT_CACHE  # where the embedded default is built and found
+    extra: dict = field(default_factory=dict)  # free-form notes saved with the config
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"config: unknown fields {sorted(unknown)}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
+    """k decoder-layer indices spaced evenly from 1 to L-3 (DFlash's choice), rounded.
+
+    Layer index i means the output of decoder layer i, i.e. HF's ``hidden_states[i + 1]``.
+    """
+    if k < 1:
+        raise ValueError(f"num_target_layers: must be >= 1, got {k}")
+    L = num_target_layers
+    if L < 1:
+        raise ValueError(f"target: needs at least one decoder layer, got {L}")
+    lo, hi = min(1, L - 1), max(min(1, L - 1), L - 3)
+    if k == 1:
+        return [(lo + hi) // 2]
+    return [int(round(lo + i * (hi - lo) / (k - 1))) for i in range(k)]
+
+
+PRESETS = {
+    # Published DFlash shapes (a Qwen3-8B-sized target on an H200).
+    "default": TrainConfig(),
+    # The embedded default target (python -m trainer.build_default): small, trains on one GPU in minutes.
+    "embedded": TrainConfig(max_len=512, num_anchors=64, num_heads=4, num_kv_heads=2, head_dim=64,
+                            sliding_window=256, batch_size=8, epochs=4, log_interval=20, save_interval=200),
+    # CPU tests: a few seconds per step on the reference backends.
+    "tiny": TrainConfig(max_len=64, num_anchors=4, num_layers=2, num_sliding_layers=1, sliding_window=24,
+                        num_heads=2, num_kv_heads=1, head_dim=64, num_target_layers=2, batch_size=2, steps=8,
+                        lr=3e-3, warmup_ratio=0.25, log_interval=1, save_interval=4, device="cpu"),
+}
+
+
+def preset(name: str, **overrides) -> TrainConfig:
+    if name not in PRESETS:
+        raise ValueError(f"preset: unknown {name!r}; known: {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """One ``--field`` flag per config field (``--preset`` picks the base values)."""
+    parser.add_argument("--preset", default=None, help=f"base values: {sorted(PRESETS)} (default: embedded when "
+                        "--target is not given, else default)")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name in ("extra",):
+            continue
+        if f.name in ("target_layer_ids", "betas"):
+            parser.add_argument(flag, type=lambda s: [float(x) if "." in x else int(x) for x in s.split(",")],
+                                default=None, help="comma-separated")
+            continue
+        typ = f.type if f.type in (int, float, str) else int if f.type == (int | None) else str
+        parser.add_argument(flag, type=typ, default=None)
+
+
+def from_cli(args: argparse.Namespace) -> TrainConfig:
+    overrides = {}
+    for f in dataclasses.fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            overrides[f.name] = tuple(v) if f.name == "betas" else v
+    name = args.preset or ("default" if overrides.get("target") else "embedded")
+    return preset(name, **overrides)
+
+
+def dump(cfg: TrainConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=1, sort_keys=True)

@@ -1,0 +1,225 @@
+"""The DFlash drafter: a short stack of Qwen3-style decoder layers conditioned on target features.
+
+The drafter has no embedding or LM head of its own; the caller embeds the block tokens with the
+target's (frozen) embedding and reads logits through the target's LM head.
+
+Shapes: B batch, S context length (target positions), N draft blocks per sequence, bs block size,
+Tq = N * bs draft positions, H hidden size, k target layers. Attention tensors are ``[B, T, H, D]``.
+
+Per layer, the keys and values are ``[context (S) | block_0 | ... | block_{N-1}]``: the context
+rows come from the target features through this layer's own k/v projections and k-norm, the block
+rows from the draft hidden states; queries come only from the draft positions. RoPE positions are
+0..S-1 for the context and ``anchor_i + j`` for position j of block i, so a draft token sits where
+the token it predicts would be. Which keys a block sees is :func:`dflash_kernels.dflash_block_mask`:
+context ``kv < anchor`` (within ``sliding_window`` on sliding layers) and its own block.
+"""
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dflash_kernels as dk
+
+__all__ = ["DrafterConfig", "DFlashDrafter", "RMSNorm", "rope_cos_sin", "apply_rope"]
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int  # H, the target's hidden size
+    intermediate_size: int  # SwiGLU width
+    vocab_size: int  # the target's vocabulary (the drafter reads logits through the target's LM head)
+    num_layers: int = 5  # decoder layers
+    num_heads: int = 32  # query heads
+    num_kv_heads: int = 8  # key/value heads
+    head_dim: int = 128  # per-head width (64, 128 or 256)
+    rope_theta: float = 1_000_000.0  # RoPE base
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    block_size: int = 16  # positions per draft block
+    mask_token_id: int = 0  # token id at block positions 1..block_size-1
+    target_layer_ids: list[int] = field(default_factory=list)  # decoder-layer indices whose outputs are the features
+    layer_types: list[str] = field(default_factory=list)  # per layer "sliding_attention" or "full_attention"
+    sliding_window: int = 2048  # context window of sliding layers
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_layers
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types: expected {self.num_layers} entries, got {len(self.layer_types)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads: must be a multiple of num_kv_heads={self.num_kv_heads}, got {self.num_heads}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids: at least one target layer is needed")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
+    """cos, sin ``[B, T, 1, head_dim]`` (fp32) for integer positions ``[B, T]`` (rotate-half layout)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    ang = positions.double()[..., None] * inv_freq  # fp64 angles: exact enough at positions ~1e5
+    ang = torch.cat([ang, ang], -1)[:, :, None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x, cos, sin):
+    """x ``[B, T, H, D]``; rotate-half RoPE as in Qwen3/Llama."""
+    x1, x2 = x.chunk(2, -1)
+    rot = torch.cat([-x2, x1], -1)
+    return (x.float() * cos + rot.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.Hq, self.Hkv, self.D = cfg.num_heads, cfg.num_kv_heads, D
+        self.q_proj = nn.Linear(H, self.Hq * D, bias=False)
+        self.k_proj = nn.Linear(H, self.Hkv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.Hkv * D, bias=False)
+        self.o_proj = nn.Linear(self.Hq * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, mask):
+        """x ``[B, Tq, H]`` (normed draft states), ctx ``[B, S, H]`` (target features) -> ``[B, Tq, H]``."""
+        B, Tq, _ = x.shape
+        S = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).view(B, Tq, self.Hq, self.D))
+        kx = self.k_norm(self.k_proj(x).view(B, Tq, self.Hkv, self.D))
+        vx = self.v_proj(x).view(B, Tq, self.Hkv, self.D)
+        kc = self.k_norm(self.k_proj(ctx).view(B, S, self.Hkv, self.D))
+        vc = self.v_proj(ctx).view(B, S, self.Hkv, self.D)
+        q = apply_rope(q, *rope_q)
+        kx = apply_rope(kx, *rope_q)
+        kc = apply_rope(kc, *rope_ctx)
+        dtype = q.dtype
+        k = torch.cat([kc, kx], 1).to(dtype)
+        v = torch.cat([vc, vx], 1).to(dtype)
+        o = dk.block_sparse_attention(q, k, v, mask)
+        return self.o_proj(o.reshape(B, Tq, self.Hq * self.D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx, rope_q, rope_ctx, mask):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        k = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(k * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def masks(self, anchors, context_len, valid=None):
+        """The block masks the layers need: ``{"full_attention": m, "sliding_attention": m}``."""
+        cfg = self.config
+        out = {}
+        for t in set(cfg.layer_types):
+            window = cfg.sliding_window if t == "sliding_attention" else None
+            out[t] = dk.dflash_block_mask(anchors, context_len, cfg.block_size, window=window, valid=valid)
+        return out
+
+    def forward(self, block_embeds, target_hidden, anchors, valid=None, masks=None):
+        """Draft hidden states after the final norm (feed them to the target's LM head).
+
+        Args:
+            block_embeds: ``[B, N * bs, H]``, the target's embeddings of the block tokens (the anchor
+                token at position 0 of each block, the mask token elsewhere).
+            target_hidden: ``[B, S, k * H]``, the k target layers' outputs concatenated on the last dim.
+            anchors: int ``[B, N]``, the context position of each block's anchor token.
+            valid: optional bool ``[B, N]``; invalid (padding) blocks see nothing.
+            masks: optional prebuilt :meth:`masks` (anchors, S, valid) to share between calls.
+        Returns:
+            ``[B, N * bs, H]``.
+        """
+        cfg = self.config
+        B, Tq, _ = block_embeds.shape
+        S = target_hidden.shape[1]
+        bs = cfg.block_size
+        if Tq != anchors.shape[1] * bs:
+            raise ValueError(f"block_embeds: expected {anchors.shape[1]} * {bs} positions, got {Tq}")
+        if masks is None:
+            masks = self.masks(anchors, S, valid)
+        ctx = self.hidden_norm(self.fc(target_hidden))
+        dev = block_embeds.device
+        pos_q = (anchors.long()[:, :, None] + torch.arange(bs, device=dev)).reshape(B, Tq)
+        pos_ctx = torch.arange(S, device=dev).expand(B, S)
+        rope_q = tuple(t.to(ctx.dtype) for t in rope_cos_sin(pos_q, cfg.head_dim, cfg.rope_theta))
+        rope_ctx = tuple(t.to(ctx.dtype) for t in rope_cos_sin(pos_ctx, cfg.head_dim, cfg.rope_theta))
+        x = block_embeds.to(ctx.dtype)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_q, rope_ctx, masks[layer.layer_type])
+        return self.norm(x)
+
+    def save_pretrained(self, path: str) -> None:
+        """An HF-style folder: ``config.json`` (with the DFlash fields) and ``model.safetensors``."""
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        meta = {"architectures": ["DFlashDrafter"], "model_type": "dflash_drafter", **asdict(self.config)}
+        tmp = os.path.join(path, CONFIG_NAME + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, os.path.join(path, CONFIG_NAME))
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        tmp = os.path.join(path, WEIGHTS_NAME + ".tmp")
+        save_file(state, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(cls, path: str, device="cpu") -> "DFlashDrafter":
+        from safetensors.torch import load_file
+
+        with open(os.path.join(path, CONFIG_NAME)) as f:
+            meta = json.load(f)
+        fields = DrafterConfig.__dataclass_fields__
+        model = cls(DrafterConfig(**{k: v for k, v in meta.items() if k in fields}))
+        model.load_state_dict(load_file(os.path.join(path, WEIGHTS_NAME), device=str(device)))
+        return model.to(device)

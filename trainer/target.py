@@ -1,0 +1,101 @@
+"""The frozen target: any local HF causal-LM folder, loaded offline, giving hidden states of chosen layers.
+
+Qwen3 (dense) and Qwen3.5 / Qwen3-Next (Gated DeltaNet hybrids) are the first-class architectures;
+anything ``AutoModelForCausalLM`` loads with ``output_hidden_states`` works.
+"""
+
+import os
+
+import torch
+
+from trainer.config import default_target_layer_ids
+
+__all__ = ["Target", "load_target"]
+
+
+class Target:
+    """A frozen causal LM plus its tokenizer.
+
+    ``layer_ids`` are decoder-layer indices: layer i's output is HF's ``hidden_states[i + 1]``
+    (index 0 is the embedding output).
+    """
+
+    def __init__(self, model, tokenizer, layer_ids):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = text.num_hidden_layers
+        self.hidden_size = text.hidden_size
+        self.intermediate_size = getattr(text, "intermediate_size", 4 * text.hidden_size)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.layer_ids = list(layer_ids)
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids: {bad} outside [0, {self.num_layers - 1}] for this target")
+
+    @property
+    def device(self):
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self):
+        return next(self.model.parameters()).dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[B, T]`` -> the target's input embeddings ``[B, T, H]``."""
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[..., H]`` -> logits ``[..., V]`` through the target's output layer."""
+        head = self.model.get_output_embeddings()
+        return head(h.to(head.weight.dtype))
+
+    def _select(self, hidden_states):
+        return torch.cat([hidden_states[i + 1] for i in self.layer_ids], -1)
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, S]`` token ids (right-padded) -> concatenated layer outputs ``[B, S, k * H]``.
+
+        No attention mask is passed: with right padding a causal model's valid positions never see
+        the pads, so their states are exact, and the pad positions are never read by the drafter
+        (anchors and labels stay inside each sequence).
+        """
+        out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        return self._select(out.hidden_states)
+
+    @torch.no_grad()
+    def logits_and_features(self, input_ids: torch.Tensor):
+        """Full forward: logits ``[B, S, V]`` and features ``[B, S, k * H]`` (for evaluation)."""
+        out = self.model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        return out.logits, self._select(out.hidden_states)
+
+
+def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch.float32) -> Target:
+    """Load a local HF causal-LM folder (no hub access) and its tokenizer, frozen, on ``device``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.isdir(path):
+        raise ValueError(f"target: {path!r} is not a folder (a local HF model directory is expected; "
+                         f"build the embedded default with `python -m trainer.build_default`)")
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    model.to(device)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    ids = list(layer_ids) if layer_ids else default_target_layer_ids(text.num_hidden_layers, k)
+    return Target(model, tok, ids)
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, configured=None) -> int:
+    """The mask token: the configured id, else the tokenizer's mask token, its pad token, or vocab - 1."""
+    if configured is not None:
+        mid = int(configured)
+    elif getattr(tokenizer, "mask_token_id", None) is not None:
+        mid = tokenizer.mask_token_id
+    elif getattr(tokenizer, "pad_token_id", None) is not None:
+        mid = tokenizer.pad_token_id
+    else:
+        mid = vocab_size - 1
+    if not 0 <= mid < vocab_size:
+        raise ValueError(f"mask_token_id: {mid} outside the vocabulary [0, {vocab_size - 1}]")
+    return mid
