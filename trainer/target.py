@@ -71,8 +71,13 @@ class Target:
         return out.logits, self._select(out.hidden_states)
 
 
-def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch.float32) -> Target:
-    """Load a local HF causal-LM folder (no hub access) and its tokenizer, frozen, on ``device``."""
+def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch.float32,
+                use_kernels: bool = True) -> Target:
+    """Load a local HF causal-LM folder (no hub access) and its tokenizer, frozen, on ``device``.
+
+    With ``use_kernels`` a hybrid target's Gated DeltaNet and short-conv layers run on dflash_kernels
+    (``dflash_kernels.integrations.transformers``); dense targets have none and run unchanged.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not os.path.isdir(path):
@@ -81,6 +86,12 @@ def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     model.to(device)
+    if use_kernels:
+        from dflash_kernels.integrations.transformers import use_dflash_kernels
+        try:
+            use_dflash_kernels(model)
+        except ValueError:
+            pass  # no linear-attention layers (a dense target): nothing to route
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     ids = list(layer_ids) if layer_ids else default_target_layer_ids(text.num_hidden_layers, k)
     return Target(model, tok, ids)

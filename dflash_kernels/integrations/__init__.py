@@ -1,0 +1,1 @@
+"""Integrations of dflash_kernels into other libraries' models."""
