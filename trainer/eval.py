@@ -39,9 +39,8 @@ def draft_block(drafter: DFlashDrafter, target: Target, seq: torch.Tensor, feats
     """
     cfg = drafter.config
     anchor = seq.shape[1] - 1
-    # The mask lets a block see context keys kv < anchor, and anchors must index the context, so
-    # the context gets one more row at the anchor's position that no query sees.
-    ctx = torch.cat([feats[:, :anchor], feats.new_zeros(1, 1, feats.shape[-1])], 1)
+    # The block sees context keys kv < anchor: every position before the anchor (anchor == S).
+    ctx = feats[:, :anchor]
     block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=seq.dtype, device=seq.device)
     block[0, 0] = seq[0, anchor]
     anchors = torch.tensor([[anchor]], device=seq.device)

@@ -80,6 +80,18 @@ def test_dflash_mask_matches_rule(window):
     assert int(mask.visible_pairs().sum()) == int(dense.sum())
 
 
+@needs_kernels
+def test_anchor_at_context_end_sees_whole_context():
+    # Decoding: the block follows the newest context token (anchor == S) and sees all S keys.
+    S, N, bs = 21, 3, 4
+    anchors = torch.tensor([[S, 7, S]])
+    mask = dflash_block_mask(anchors.to(DEVICE), S, bs, kv_tile=16)
+    dense = dense_mask(mask)[0]
+    assert dense[:bs, :S].all() and dense[2 * bs:, :S].all() and not dense[bs:2 * bs, 7:S].any()
+    q, k, v, do = make_qkv(1, N * bs, S + N * bs, 2, 1, 64, torch.float32, seed=3)
+    check_against_reference(q, k, v, do, mask, torch.float32)
+
+
 def test_reverse_index_lists_every_visible_tile():
     S, N, bs, kv_tile = 37, 5, 4, 16
     anchors = torch.tensor([[0, 36, 17, 16, 15]])
@@ -200,8 +212,8 @@ def test_bad_inputs():
         dflash_block_mask(anchors.float(), 8)
     with pytest.raises(ValueError, match="anchors"):
         dflash_block_mask(anchors[0], 8)
-    with pytest.raises(ValueError, match=r"anchors\[0, 1\] = 8"):
-        dflash_block_mask(torch.tensor([[0, 8]]), 8)
+    with pytest.raises(ValueError, match=r"anchors\[0, 1\] = 9"):
+        dflash_block_mask(torch.tensor([[0, 9]]), 8)
     with pytest.raises(ValueError, match="anchors"):
         dflash_block_mask(torch.tensor([[-1, 2]]), 8)
     dflash_block_mask(torch.tensor([[-1, 2]]), 8, valid=torch.tensor([[False, True]]))  # ignored when invalid

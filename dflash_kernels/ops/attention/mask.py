@@ -164,17 +164,18 @@ def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=No
     inference) and the ``block_size`` keys of its own block, bidirectionally; no other block.
 
     Args:
-        anchors: int32/int64 ``[B, N]``, each in ``[0, S - 1]`` where ``valid`` is True; an anchor of
-            0 sees no context (only its own block). Anchors of invalid blocks are ignored (any value).
+        anchors: int32/int64 ``[B, N]``, each in ``[0, S]`` where ``valid`` is True; an anchor of 0
+            sees no context (only its own block), an anchor of S the whole context (decoding: the
+            block follows the newest context token). Anchors of invalid blocks are ignored (any value).
         context_len: S, the number of context keys (>= 1).
         block_size: queries (and own keys) per draft block.
         window: if given, context is limited to ``anchor - window <= kv < anchor``.
         valid: optional bool ``[B, N]``; blocks with False (padding) see nothing: their output and
             gradients are 0 and their lse is -inf.
         kv_tile: key tile width of the backward's reverse index (the dk/dv kernel's BN).
-        check_range: check that valid anchors lie in ``[0, S - 1]``. The check reads one scalar back
+        check_range: check that valid anchors lie in ``[0, S]``. The check reads one scalar back
             from the device (a synchronisation); without it the build never synchronises, and an
-            out-of-range anchor is clamped into ``[0, S - 1]``.
+            out-of-range anchor is clamped into ``[0, S]``.
 
     Raises TypeError/ValueError naming the argument for bad dtypes, shapes or anchor values.
     """
@@ -202,14 +203,14 @@ def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=No
         if valid.device != dev:
             raise ValueError(f"valid: is on {valid.device} but anchors is on {dev}")
     a = anchors.long()
-    bad = (a < 0) | (a >= context_len)
+    bad = (a < 0) | (a > context_len)
     if valid is not None:
         bad &= valid
     if check_range and bool(bad.any()):
         idx = torch.nonzero(bad)[0].tolist()
-        raise ValueError(f"anchors: every valid anchor must be in [0, context_len - 1] = [0, {context_len - 1}]; "
+        raise ValueError(f"anchors: every valid anchor must be in [0, context_len] = [0, {context_len}]; "
                          f"got anchors[{idx[0]}, {idx[1]}] = {int(a[idx[0], idx[1]])}")
-    a = a.clamp(0, context_len - 1)  # anchors of invalid blocks are ignored
+    a = a.clamp(0, context_len)  # anchors of invalid blocks are ignored
     lo = torch.zeros_like(a) if window is None else (a - window).clamp_min(0)
     own = (context_len + torch.arange(N, device=dev) * block_size).expand(B, N)
     no_diag, no_tile = torch.full_like(a, NO_DIAGONAL), torch.full_like(a, -1)
