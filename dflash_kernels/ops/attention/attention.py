@@ -8,6 +8,7 @@ import triton
 from dflash_kernels.ops.attention import kernels
 from dflash_kernels.ops.attention.mask import BlockSparseMask, dflash_block_mask
 from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
+from dflash_kernels.runtime.autograd import differentiable_op
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd"]
@@ -115,12 +116,14 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
     return dq, dk, dv
 
 
-@torch.library.custom_op("dflash_kernels::block_sparse_attn_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
-            seg_count: torch.Tensor, tiles: torch.Tensor, rev_offsets: torch.Tensor, rev_full: torch.Tensor,
-            rev_entries: torch.Tensor,
-            q_block: int, kv_tile: int, tile_width: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
+              seg_count: torch.Tensor, tiles: torch.Tensor, rev_offsets: torch.Tensor, rev_full: torch.Tensor,
+              rev_entries: torch.Tensor,
+              q_block: int, kv_tile: int, tile_width: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale)
+
+
+_fwd_op = torch.library.custom_op("dflash_kernels::block_sparse_attn_fwd", mutates_args=())(_fwd_impl)
 
 
 @_fwd_op.register_fake
@@ -158,7 +161,8 @@ def _backward(ctx, do, dlse):
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+# Eager calls take a plain autograd.Function, torch.compile the custom op (runtime/autograd.py).
+_fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
 
 
 def _check(q, k, v, mask, scale):
@@ -218,7 +222,7 @@ def block_sparse_attention(q, k, v, mask, scale=None, return_lse=False):
         from dflash_kernels.ops.attention.reference import sdpa_dense
         out = sdpa_dense(q, k, v, mask, scale=scale, return_lse=True)
     else:
-        out = _fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
+        out = _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
                       mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries, mask.q_block, mask.kv_tile,
                       mask.tile_width, scale)
     return out if return_lse else out[0]

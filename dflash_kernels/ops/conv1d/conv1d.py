@@ -20,6 +20,7 @@ from dflash_kernels.ops.conv1d.kernels import (
     causal_conv1d_update_kernel,
 )
 from dflash_kernels.runtime import Config, TritonKernel, alloc, backends
+from dflash_kernels.runtime.autograd import differentiable_op
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 from dflash_kernels.runtime.precompile import register_precompile
 
@@ -162,11 +163,13 @@ def _triton_update(x, conv_state, weight, bias, silu: bool):
 
 
 # ------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("dflash_kernels::causal_conv1d_fwd", mutates_args=())
-def _fwd_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor],
-            initial_states: Optional[torch.Tensor], silu: bool,
-            return_final_states: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor],
+              initial_states: Optional[torch.Tensor], silu: bool,
+              return_final_states: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     return causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, silu, return_final_states)
+
+
+_fwd_op = torch.library.custom_op("dflash_kernels::causal_conv1d_fwd", mutates_args=())(_fwd_impl)
 
 
 @_fwd_op.register_fake
@@ -209,7 +212,8 @@ def _backward(ctx, dy, dfinal):
             dinit if initial_states is not None else None, None, None)
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+# Eager calls take a plain autograd.Function, torch.compile the custom op (runtime/autograd.py).
+_fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
 
 
 @torch.library.custom_op("dflash_kernels::causal_conv1d_update", mutates_args=("conv_state",))
@@ -284,7 +288,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
         return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
                                 return_final_states=return_final_states, activation=activation)
     x = _with_unit_stride(x, _is_channel_last(x))
-    y, final = _fwd_op(x, weight.contiguous(), bias.contiguous() if bias is not None else None,
+    y, final = _fwd_differentiable(x, weight.contiguous(), bias.contiguous() if bias is not None else None,
                        seq_idx.contiguous() if seq_idx is not None else None, initial_states,
                        silu, bool(return_final_states))
     return (y, final) if return_final_states else y

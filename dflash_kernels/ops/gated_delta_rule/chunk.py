@@ -16,6 +16,7 @@ from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_output_ker
                                                              _gdn_fwd_state_kernel, _gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import _l2norm_bwd_kernel, _l2norm_fwd_kernel
 from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
+from dflash_kernels.runtime.autograd import differentiable_op
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_bwd"]
@@ -211,12 +212,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
 
 
-@torch.library.custom_op("dflash_kernels::gdn_chunk_fwd", mutates_args=())
-def _gdn_chunk_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
-                      use_qk_l2norm: bool, output_final_state: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gdn_chunk_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
+                        use_qk_l2norm: bool, output_final_state: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm)
+
+
+_gdn_chunk_fwd_op = torch.library.custom_op("dflash_kernels::gdn_chunk_fwd", mutates_args=())(_gdn_chunk_fwd_impl)
 
 
 @_gdn_chunk_fwd_op.register_fake
@@ -268,7 +271,8 @@ def _backward(ctx, do, dht, dA, dgcum):
     return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
-_gdn_chunk_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+# Eager calls take a plain autograd.Function, torch.compile the custom op (runtime/autograd.py).
+_gdn_chunk_fwd = differentiable_op(_gdn_chunk_fwd_op, _gdn_chunk_fwd_impl, _setup_context, _backward)
 
 
 def check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens):
@@ -369,7 +373,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                           cu_seqlens)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    o, final_state, _, _ = _gdn_chunk_fwd_op(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+    o, final_state, _, _ = _gdn_chunk_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                              beta.contiguous(), initial_state, cu_seqlens, scale,
                                              bool(use_qk_l2norm_in_kernel), bool(output_final_state))
     return o, (final_state if output_final_state else None)

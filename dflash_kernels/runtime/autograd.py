@@ -1,0 +1,46 @@
+"""One differentiable op, two entry points: a ``torch.library.custom_op`` for ``torch.compile`` and a
+plain ``torch.autograd.Function`` for eager calls.
+
+Why both: the custom op is what lets a user's ``torch.compile`` trace an op without a graph break,
+but its Python dispatch costs tens of microseconds per call (measured on the CPU machine: 52 us per
+call with grad against 20 us for an ``autograd.Function`` around the same body). Eager callers, the
+common case in a training loop, take the cheap path; while dynamo traces, the custom op is used.
+Both run the same implementation, ``setup_context`` and ``backward``, with the same semantics (a
+custom op's autograd is itself an ``autograd.Function`` with materialized gradients).
+"""
+
+import torch
+
+__all__ = ["differentiable_op"]
+
+
+def differentiable_op(custom_op, impl, setup_context, backward):
+    """Register ``backward`` / ``setup_context`` on ``custom_op`` and return ``call(*inputs)``.
+
+    Args:
+        custom_op: the ``torch.library.custom_op`` whose implementation is ``impl``.
+        impl: the plain function behind it, ``impl(*inputs) -> output``.
+        setup_context: ``setup_context(ctx, inputs, output)``, as for ``register_autograd``.
+        backward: ``backward(ctx, *grads) -> one gradient (or None) per input``.
+    """
+    custom_op.register_autograd(backward, setup_context=setup_context)
+
+    class _Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = impl(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    _Eager.__name__ = f"{getattr(impl, '__name__', 'op')}_eager"
+
+    def call(*inputs):
+        if torch.compiler.is_compiling():
+            return custom_op(*inputs)
+        return _Eager.apply(*inputs)
+
+    return call
