@@ -7,7 +7,12 @@ from dflash_kernels.runtime.backends import get_backend, register_op, resolve, s
 from dflash_kernels.runtime.errors import BackendUnavailable, KernelCacheMiss
 from dflash_kernels.runtime.kernel import Config, TritonKernel, cache_info, reset_cache
 from dflash_kernels.runtime.precompile import precompile, register_precompile
-from dflash_kernels.runtime.settings import cache_dir, is_strict, strict
+from dflash_kernels.runtime.settings import cache_dir, interpreting, is_strict, strict
+
+if interpreting():
+    from dflash_kernels.runtime import interpreter_compat
+
+    interpreter_compat.apply()
 
 __all__ = [
     "BackendUnavailable", "Config", "KernelCacheMiss", "TritonKernel", "backends", "cache_dir",

@@ -26,11 +26,17 @@ from triton import knobs
 from dflash_kernels.runtime import settings, tuning
 from dflash_kernels.runtime.devices import current_stream, on_device
 
-try:
-    from triton.runtime.jit import native_specialize_impl as _specialize
-except ImportError:  # pragma: no cover - triton < 3.3 kept it under another name
-    from triton.runtime.jit import specialize_impl as _specialize
 from triton.backends.compiler import BaseBackend
+
+try:  # triton >= 3.5: the specializer is native code
+    from triton.runtime.jit import native_specialize_impl as _specialize
+except ImportError:  # triton 3.4: a Python closure around the backend's argument specialization
+    from triton.runtime.jit import create_specialize_impl as _create_specialize_impl
+
+    _specialize_34 = _create_specialize_impl(BaseBackend.get_arg_specialization)
+
+    def _specialize(backend, arg, is_const, specialize_value, align):
+        return _specialize_34(arg, is_const, specialize_value, align)
 
 __all__ = ["Config", "TritonKernel", "cache_info", "reset_cache", "all_kernels"]
 
@@ -150,8 +156,10 @@ class TritonKernel:
     @staticmethod
     def _flag_set(fn, attr):
         values = getattr(fn, attr, None)
-        if values is None and hasattr(fn, "kwargs"):  # InterpretedFunction keeps them in kwargs
-            values = fn.kwargs.get(attr)
+        # The interpreter keeps the jit options in ``kwargs`` (triton 3.6) or on its rewriter (3.4).
+        for holder in (fn, getattr(fn, "rewriter", None)):
+            if values is None and hasattr(holder, "kwargs"):
+                values = holder.kwargs.get(attr)
         return set(values or ())
 
     @staticmethod
