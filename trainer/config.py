@@ -23,6 +23,7 @@ class TrainConfig:
     eval_prompts: str = ""  # JSONL of held-out prompts for trainer.eval; "" = the embedded default's
     out_dir: str = "runs/dflash"  # checkpoints, the drafter folder and metrics.jsonl go here
     max_len: int = 3072  # tokens per sequence; longer records are truncated, shorter ones padded
+    pack: bool = False  # concatenate records into rows of max_len (per-document ids; see trainer/data.py)
     # --- DFlash ---
     block_size: int = 16  # draft block: position 0 the anchor token, 1..block_size-1 mask tokens
     num_anchors: int = 512  # anchors (draft blocks) per sequence, capped by the valid positions
@@ -57,6 +58,13 @@ class TrainConfig:
     log_interval: int = 10  # steps between log lines
     save_interval: int = 500  # steps between checkpoints (and one at the end)
     cache_dir: str = DEFAULT_CACHE  # where the embedded default is built and found
+    # --- threaded pipeline (trainer/pipeline.py; used when either GPU list is given) ---
+    target_gpus: str = ""  # target workers: "0-4", "0,1", "cpu" or "cpu:N"; "" = the single-process loop
+    drafter_gpus: str = ""  # drafter replicas, same syntax; "" = the target's list
+    queue_depth: int = 2  # feature batches waiting per (target worker, drafter replica) pair
+    watchdog_s: float = 600.0  # no training progress for this long: dump all thread stacks and exit 3; 0 = off
+    watchdog_setup_s: float = 1800.0  # the same limit before training starts (model load, kernel tuning)
+    stop_grace_s: float = 20.0  # after a worker fails, how long the others get to stop before a forced exit
     extra: dict = field(default_factory=dict)  # free-form notes saved with the config
 
     def to_dict(self) -> dict:
@@ -116,6 +124,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.name in ("extra",):
+            continue
+        if f.type is bool:
+            parser.add_argument(flag, action="store_true", default=None)
             continue
         if f.name in ("target_layer_ids", "betas"):
             parser.add_argument(flag, type=lambda s: [float(x) if "." in x else int(x) for x in s.split(",")],

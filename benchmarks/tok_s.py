@@ -1,0 +1,494 @@
+"""Drafter-training throughput, the project's main job: ``python benchmarks/tok_s.py``.
+
+The same DFlash training step as ``trainer.train`` (batch -> frozen target features -> drafter ->
+weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends in one run:
+
+- (a) ``dflash_kernels``: the library's own kernels for the drafter's block-sparse attention and the
+  target's Gated DeltaNet and short conv (``triton`` on a GPU; on a CPU the same Triton kernels
+  through Triton's interpreter);
+- (b) ``peers``: the drafter's attention as ``torch.compile(flex_attention)`` with a
+  ``create_block_mask`` BlockMask rebuilt every step (anchors change every step), the target's GDN
+  on fla and its conv on causal-conv1d where those are importable (CUDA only);
+- (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch.
+
+Each row reports tokens/s (target tokens of the batch per second of training step, the trainer's own
+definition), ms/step, peak device memory, the first (compiling) step's seconds, the per-step mask
+build time, the first step's loss (every row starts from the same drafter and batch, so the losses
+agree when the backends compute the same thing) and ``a / this``: (a)'s tokens/s over the row's.
+
+Presets:
+- ``embedded``: the embedded default (``python -m trainer.build_default``; built first when
+  missing unless ``--no-build``) with the ``embedded`` trainer preset;
+- ``real``: a random-weight Qwen3.5-4B-like target (32 layers, 3 Gated DeltaNet : 1 attention,
+  hidden 2560, vocab 248320) with the published drafter shape (5 layers, 32 x 128 heads) at max_len
+  3072 and 512 anchors; GPU only;
+- ``tiny``: a random tiny Qwen3.5 hybrid and the ``tiny`` trainer preset; seconds on a CPU.
+
+Without ``--preset``: ``embedded`` and ``real`` on a GPU, ``tiny`` on a CPU (and it says so). GPU rows
+are appended to ``benchmarks/results/tok_s.jsonl`` with the GPU, torch / triton versions, date and
+command.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+import types
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
+OPS = ("attention", "gdn", "conv1d")
+GROUPS = ("a", "b", "c")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="See the module docstring for the presets and the three backend groups.")
+    p.add_argument("--preset", action="append", choices=["embedded", "real", "tiny"],
+                   help="repeatable; default: embedded and real on a GPU, tiny on a CPU")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
+    p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
+                   "b (peers), c (reference)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
+    p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
+    p.add_argument("--batch-size", type=int, default=None, help="override the preset's sequences per step")
+    p.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
+    p.add_argument("--no-record", action="store_true", help="do not append GPU rows to benchmarks/results/tok_s.jsonl")
+    p.add_argument("--json", default="", help="also write the rows to this JSON file")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------ presets
+@dataclasses.dataclass
+class Setup:
+    name: str
+    cfg: object  # trainer.config.TrainConfig
+    target: object  # trainer.target.Target
+    dataset: object  # trainer.data.Dataset
+    note: str
+
+
+def _synthetic_dataset(vocab: int, n: int, length: int, seed: int = 0):
+    """Full-length random sequences (loss on all but the first 8 tokens): every step has max_len tokens."""
+    from trainer.data import Dataset, DataStats
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for _ in range(n):
+        ids = torch.randint(8, vocab, (length,), generator=g)
+        lm = torch.ones(length, dtype=torch.bool)
+        lm[:8] = False
+        seqs.append((ids, lm))
+    return Dataset(seqs, DataStats(records=n, kept=n))
+
+
+def _random_qwen35_target(text_cfg, cfg, dev, dtype):
+    """A random-weight Qwen3.5 hybrid built directly on ``dev`` (no files), routed through dflash_kernels."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from dflash_kernels.integrations.transformers import use_dflash_kernels
+    from trainer.config import default_target_layer_ids
+    from trainer.target import Target
+
+    torch.manual_seed(cfg.seed)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = Qwen3_5ForCausalLM(text_cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    use_dflash_kernels(model)
+    ids = cfg.target_layer_ids or default_target_layer_ids(text_cfg.num_hidden_layers, cfg.num_target_layers)
+    return Target(model, None, ids)
+
+
+def setup_tiny(args, dev, dtype, log):
+    from transformers import Qwen3_5TextConfig
+
+    from trainer.config import preset
+
+    cfg = preset("tiny", device=str(dev), batch_size=args.batch_size or 2)
+    text = Qwen3_5TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+                             linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                             max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0)
+    target = _random_qwen35_target(text, cfg, dev, dtype)
+    ds = _synthetic_dataset(text.vocab_size, 8, cfg.max_len)
+    return Setup("tiny", cfg, target, ds, "random tiny Qwen3.5 (4 layers, hidden 64), max_len 64, 4 anchors")
+
+
+def setup_real(args, dev, dtype, log):
+    from transformers import Qwen3_5TextConfig
+
+    from trainer.config import preset
+
+    if dev.type != "cuda":
+        raise SystemExit("tok_s: the `real` preset needs a CUDA GPU (a 4B-parameter target at 3072 tokens, "
+                         "512 anchors); on a CPU run `--preset tiny`.")
+    # Qwen3.5-4B's published text config (random weights: speed does not depend on them).
+    text = Qwen3_5TextConfig(vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                             num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                             linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=True,
+                             pad_token_id=0)
+    cfg = preset("default", device=str(dev), batch_size=args.batch_size or 1)
+    target = _random_qwen35_target(text, cfg, dev, dtype)
+    ds = _synthetic_dataset(text.vocab_size, 16, cfg.max_len)
+    return Setup("real", cfg, target, ds, "random Qwen3.5-4B-like target (32 layers, 3 GDN : 1 attention, "
+                 "hidden 2560), published drafter shape, max_len 3072, 512 anchors")
+
+
+def setup_embedded(args, dev, dtype, log):
+    from trainer.build_default import default_paths, ensure
+    from trainer.config import preset
+    from trainer.data import load_jsonl
+    from trainer.target import load_target
+
+    cfg = preset("embedded", device=str(dev), **({"batch_size": args.batch_size} if args.batch_size else {}))
+    paths = default_paths(cfg.cache_dir)
+    if not os.path.exists(paths["build"]):
+        if args.no_build:
+            log(f"tok_s: embedded default not built at {paths['root']} and --no-build given: skipping that preset")
+            return None
+        log(f"tok_s: the embedded default is not built yet: building it now into {paths['root']} "
+            f"(python -m trainer.build_default; minutes on a CPU, once)")
+        ensure(cfg.cache_dir, device=str(dev), log=log)
+    target = load_target(paths["target"], cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype)
+    ds = load_jsonl(paths["train"], target.tokenizer, cfg.max_len, cfg.block_size, vocab_size=target.vocab_size,
+                    log=log)
+    return Setup("embedded", cfg, target, ds, f"embedded default ({paths['root']})")
+
+
+SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
+
+
+# ------------------------------------------------------------------------------- flex attention
+class FlexDrafterAttention:
+    """The peer path for the drafter's attention: ``flex_attention`` with ``create_block_mask``.
+
+    Installed on one drafter instance: its ``masks`` method is shadowed by one that builds a flex
+    ``BlockMask`` per layer type (the DFlash mask: block i sees context keys ``kv < anchor_i``,
+    within the window on sliding layers, and its own block's keys; invalid blocks see nothing), and
+    each layer's attention forward is replaced by the same projections, norms and RoPE as
+    ``trainer.model.Attention.forward`` followed by flex instead of ``block_sparse_attention``.
+    The masks are rebuilt every step, as a trainer must (anchors are resampled every step); the
+    mask functions read the anchors from fixed buffers, so ``torch.compile`` sees the same
+    ``mask_mod`` every step and does not recompile. ``mask_s`` accumulates the build time.
+    """
+
+    def __init__(self, drafter, compiled: bool = True):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.drafter = drafter
+        self.flex = torch.compile(flex_attention) if compiled else flex_attention
+        self.mask_s = 0.0
+        self.anchors = None
+        self.valid = None
+        self.mask_mods = {}
+        drafter.masks = self.masks
+        for layer in drafter.layers:
+            layer.self_attn.forward = types.MethodType(self._forward_fn(), layer.self_attn)
+
+    def _mask_mod(self, S: int, window):
+        bs = self.drafter.config.block_size
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            blk = q_idx // bs
+            a = self.anchors[b, blk]
+            ctx = kv_idx < a
+            if window is not None:
+                ctx = ctx & (kv_idx >= a - window)
+            own = (kv_idx >= S) & ((kv_idx - S) // bs == blk)
+            return (ctx | own) & self.valid[b, blk]
+        return mask_mod
+
+    def masks(self, anchors, context_len, valid=None):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        cfg = self.drafter.config
+        t0 = time.perf_counter()
+        if valid is None:
+            valid = torch.ones_like(anchors, dtype=torch.bool)
+        if self.anchors is None or self.anchors.shape != anchors.shape or self.anchors.device != anchors.device:
+            self.anchors, self.valid, self.mask_mods = anchors.clone(), valid.clone(), {}
+        self.anchors.copy_(anchors)
+        self.valid.copy_(valid)
+        B, N = anchors.shape
+        Tq = N * cfg.block_size
+        out = {}
+        for t in set(cfg.layer_types):
+            window = cfg.sliding_window if t == "sliding_attention" else None
+            key = (context_len, window)
+            if key not in self.mask_mods:
+                self.mask_mods[key] = self._mask_mod(context_len, window)
+            out[t] = create_block_mask(self.mask_mods[key], B, None, Tq, context_len + Tq, device=anchors.device)
+        if anchors.device.type == "cuda":
+            torch.cuda.synchronize(anchors.device)
+        self.mask_s += time.perf_counter() - t0
+        return out
+
+    def _forward_fn(self):
+        from trainer.model import apply_rope
+
+        flex = self.flex
+
+        def forward(attn, x, ctx, rope_q, rope_ctx, mask):
+            B, Tq, _ = x.shape
+            S = ctx.shape[1]
+            q = attn.q_norm(attn.q_proj(x).view(B, Tq, attn.Hq, attn.D))
+            kx = attn.k_norm(attn.k_proj(x).view(B, Tq, attn.Hkv, attn.D))
+            vx = attn.v_proj(x).view(B, Tq, attn.Hkv, attn.D)
+            kc = attn.k_norm(attn.k_proj(ctx).view(B, S, attn.Hkv, attn.D))
+            vc = attn.v_proj(ctx).view(B, S, attn.Hkv, attn.D)
+            q = apply_rope(q, *rope_q)
+            kx = apply_rope(kx, *rope_q)
+            kc = apply_rope(kc, *rope_ctx)
+            k = torch.cat([kc, kx], 1).to(q.dtype)
+            v = torch.cat([vc, vx], 1).to(q.dtype)
+            # flex takes [B, H, T, D]; the library's layout is [B, T, H, D].
+            o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True)
+            return attn.o_proj(o.transpose(1, 2).reshape(B, Tq, attn.Hq * attn.D))
+        return forward
+
+
+# ------------------------------------------------------------------------------------- groups
+def _peer_importable(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:  # noqa: BLE001 - a broken peer install is "not available", with the reason printed
+        return False
+
+
+def group_plan(group: str, dev) -> dict:
+    """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
+    cpu = dev.type != "cuda"
+    if group == "a":
+        name = "interpret" if cpu else "auto"
+        return {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False}
+    if group == "c":
+        return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False}
+    if cpu:
+        return {"label": "(b) peers", "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
+                "flex is measured on the GPU)"}
+    back = {"attention": "auto"}  # unused: flex replaces the drafter's attention call
+    missing = []
+    back["gdn"] = "fla" if _peer_importable("fla.ops.gated_delta_rule") else "auto"
+    back["conv1d"] = "causal_conv1d" if _peer_importable("causal_conv1d") else "auto"
+    if back["gdn"] == "auto":
+        missing.append("fla not importable: the target's GDN stays on dflash_kernels")
+    if back["conv1d"] == "auto":
+        missing.append("causal-conv1d not importable: the target's conv stays on dflash_kernels")
+    return {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing)}
+
+
+def _describe(plan, dev) -> str:
+    import dflash_kernels as dk
+
+    parts = []
+    for op in OPS:
+        if op == "attention" and plan["flex"]:
+            parts.append("attn=flex")
+            continue
+        short = "attn" if op == "attention" else op
+        try:
+            resolved = dk.runtime.resolve(op, dev)
+            # under "auto" the conv may still pick its CUDA extension per shape (timed once per GPU)
+            parts.append(f"{short}={'auto:' if dk.get_backend(op) == 'auto' else ''}{resolved}")
+        except Exception as e:  # noqa: BLE001
+            parts.append(f"{op}=unavailable({e})")
+    return " ".join(parts)
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3) -> dict:
+    """Build a fresh drafter (same seed for every group), set the backends, time the training step."""
+    import dflash_kernels as dk
+    from trainer.data import batch_at
+    from trainer.target import resolve_mask_token_id
+    from trainer.train import build_drafter, forward_loss, lr_lambda
+
+    cfg, target = setup.cfg, setup.target
+    plan = group_plan(group, dev)
+    row = {"preset": setup.name, "group": plan["label"]}
+    if "skip" in plan:
+        row["skipped"] = plan["skip"]
+        return row
+    if group == "c":
+        steps = min(steps, reference_steps)
+    for op, name in plan["backends"].items():
+        dk.set_backend(op, name)
+    row["backends"] = _describe(plan, dev)
+    if plan.get("note"):
+        row["note"] = plan["note"]
+    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size, cfg.mask_token_id) \
+        if target.tokenizer is not None else (cfg.mask_token_id if cfg.mask_token_id is not None
+                                              else target.vocab_size - 1)
+    drafter = build_drafter(cfg, target, mask_id).to(dev)
+    flex = FlexDrafterAttention(drafter) if plan["flex"] else None
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                            foreach=dev.type == "cuda")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup + steps, cfg.warmup_ratio, cfg.min_lr_ratio))
+    drafter.train()
+    tokens, t_timed = 0, None
+    for i in range(warmup + steps):
+        if i == warmup:
+            _sync(dev)
+            if dev.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dev)
+            if flex is not None:
+                flex.mask_s = 0.0
+            t_timed = time.perf_counter()
+        t0 = time.perf_counter()
+        batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
+        loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if i == 0:
+            row["loss_step1"] = loss.item()
+            _sync(dev)
+            row["first_step_s"] = time.perf_counter() - t0
+        if i >= warmup:
+            tokens += int(batch["lengths"].sum())
+    _sync(dev)
+    elapsed = time.perf_counter() - t_timed
+    row.update(steps=steps, tokens_per_step=tokens // max(steps, 1), tok_s=tokens / elapsed,
+               ms_step=elapsed / steps * 1e3)
+    row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")
+    row["mask_ms"] = flex.mask_s / steps * 1e3 if flex is not None else float("nan")
+    return row
+
+
+def run_preset(name, args, dev, dtype, log) -> list:
+    import dflash_kernels as dk
+
+    cuda = dev.type == "cuda"
+    steps = args.steps or (10 if cuda else 2)
+    warmup = args.warmup if args.warmup is not None else (2 if cuda else 1)
+    setup = SETUPS[name](args, dev, dtype, log)
+    if setup is None:
+        return []
+    c = setup.cfg
+    log(f"\n== preset {name}: {setup.note}; batch {c.batch_size} x {c.max_len} tokens, {c.num_anchors} anchors, "
+        f"drafter {c.num_layers} layers {c.num_heads}x{c.head_dim} heads; {dtype}; {warmup} warm-up + {steps} timed steps")
+    rows = []
+    for g in [g.strip() for g in args.groups.split(",") if g.strip()]:
+        if g not in GROUPS:
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b and/or c")
+        log(f"  {name} group ({g}) ...")
+        try:
+            row = run_group(setup, g, steps, warmup, dev, dtype, args.reference_steps)
+        except Exception as e:  # noqa: BLE001 - a failing backend is a row, not a crash
+            row = {"preset": name, "group": group_plan(g, dev).get("label", g),
+                   "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        finally:
+            for op in OPS:
+                dk.set_backend(op, "auto")
+            if cuda:
+                torch.cuda.empty_cache()
+        log(f"    {row}")
+        rows.append(row)
+    base = next((r for r in rows if r["group"].startswith("(a)") and "tok_s" in r), None)
+    for r in rows:
+        if base is not None and "tok_s" in r:
+            r["a_over_this"] = base["tok_s"] / r["tok_s"]
+    return rows
+
+
+# -------------------------------------------------------------------------------------- output
+COLUMNS = [("preset", "preset", "{}"), ("group", "group", "{}"), ("tok_s", "tokens/s", "{:,.0f}"),
+           ("ms_step", "ms/step", "{:.1f}"), ("peak_GiB", "peak GiB", "{:.2f}"),
+           ("first_step_s", "1st step s", "{:.1f}"), ("mask_ms", "mask ms", "{:.1f}"),
+           ("loss_step1", "loss@1", "{:.4f}"), ("a_over_this", "a / this", "{:.2f}x"), ("backends", "backends", "{}")]
+
+
+def format_table(rows) -> str:
+    def cell(r, key, fmt):
+        v = r.get(key)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            return "-"
+        return fmt.format(v)
+
+    body = [[h for _, h, _ in COLUMNS]]
+    notes = []
+    for r in rows:
+        if "skipped" in r or "error" in r:
+            body.append([r["preset"], r["group"]] + ["-"] * (len(COLUMNS) - 2))
+            notes.append(f"{r['preset']} {r['group']}: {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + r['error']}")
+        else:
+            body.append([cell(r, k, f) for k, _, f in COLUMNS])
+            if r.get("note"):
+                notes.append(f"{r['preset']} {r['group']}: {r['note']}")
+    widths = [max(len(b[i]) for b in body) for i in range(len(COLUMNS))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
+    lines.insert(1, "-|-".join("-" * w for w in widths))
+    return "\n".join(lines + notes)
+
+
+def env_info() -> dict:
+    import triton
+
+    import dflash_kernels as dk
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "dflash_kernels": dk.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        # (a) on a CPU is the library's Triton kernels through the interpreter; the switch must be
+        # set before any Triton kernel is defined, i.e. before dflash_kernels is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        import warnings
+        # exp() of masked (-inf / large) scores in the interpreter's numpy: expected, and noise in the table
+        warnings.filterwarnings("ignore", category=RuntimeWarning, module="triton.runtime.interpreter")
+    sys.path.insert(0, ROOT)
+    import dflash_kernels as dk
+    import trainer  # noqa: F401 - sets the offline switches before transformers is imported
+
+    dev = torch.device("cuda" if want_cuda else "cpu")
+    dtype = torch.bfloat16 if want_cuda else torch.float32
+    presets = args.preset or (["embedded", "real"] if want_cuda else ["tiny"])
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    info = env_info()
+    log(f"tok_s | dflash_kernels {dk.__version__} | {info['gpu']} | torch {info['torch']} | triton {info['triton']}")
+    if not want_cuda:
+        log("No CUDA device: a tiny configuration on the CPU ((a) = the Triton kernels through the interpreter, "
+            "(c) = the torch references; no peers). These numbers only show the job runs; they say nothing "
+            "about GPU speed and are not recorded.")
+    rows = []
+    for name in presets:
+        rows += run_preset(name, args, dev, dtype, log)
+    log("\n" + format_table(rows))
+    if want_cuda and not args.no_record:
+        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+        with open(RESULTS, "a") as f:
+            for r in rows:
+                f.write(json.dumps({**info, "op": "tok_s", **r}) + "\n")
+        log(f"appended {len(rows)} rows to {RESULTS}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**info, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
