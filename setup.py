@@ -129,6 +129,8 @@ if __name__ == "__main__":
         extras_require={
             # transformers: its torch Gated DeltaNet is a test oracle, and the integration is tested.
             "test": ["pytest>=7", "transformers>=5"],
+            # The trainer and benchmarks/tok_s.py: HF models, tokenizers, safetensors.
+            "train": ["transformers>=5"],
             "peers": ["flash-linear-attention>=0.6", "causal-conv1d>=1.5"],
         },
         **extension_kwargs(os.environ),
