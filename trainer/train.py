@@ -3,32 +3,44 @@
     python -m trainer.train                        # the embedded default (built on first use)
     python -m trainer.train --target DIR --data train.jsonl --out-dir runs/x
     python -m trainer.train ... --resume           # continue from OUT_DIR/checkpoint.pt
+    python -m trainer.train ... --target-gpus 0-4 --drafter-gpus 5-7   # the threaded pipeline (pipeline.py)
+    python -m trainer.train ... --preflight        # check devices, model, data and kernels, then exit
 
 A flat loop: setup (config, target, data, drafter, optimiser), resume, then per step: batch ->
 target features -> drafter -> weighted CE -> AdamW step; one log line per interval, an atomic
 checkpoint every ``save_interval`` steps and at the end, and the drafter as an HF-style folder
 (``OUT_DIR/drafter``). On a GPU every attention kernel the run's shapes need is compiled before
 step 0 and the loop runs under ``dflash_kernels.strict()``: a compile during training is an error.
+
+Run as ``python -m trainer.train``, the first lines open the run log (``OUT_DIR/train.log``,
+:mod:`trainer.supervise`) before anything heavy is imported. ``--target-gpus`` / ``--drafter-gpus``
+or ``--preflight`` hand over to :func:`trainer.pipeline.cli` (threads, supervision, torchrun).
 """
 
-import argparse
-import contextlib
-import json
-import math
-import os
-import resource
 import sys
-import time
 
-import torch
+if __name__ == "__main__":  # the run log opens before torch, transformers or the kernels are imported
+    from trainer.supervise import open_run_log
 
-import dflash_kernels as dk
-from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
-from trainer.config import TrainConfig, add_cli_args, from_cli
-from trainer.data import batch_at, load_jsonl, steps_per_epoch
-from trainer.loss import block_inputs, block_labels, dflash_loss, expected_accept_length
-from trainer.model import DFlashDrafter, DrafterConfig
-from trainer.target import Target, load_target, resolve_mask_token_id
+    open_run_log(sys.argv[1:])
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import resource  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+import dflash_kernels as dk  # noqa: E402
+from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint  # noqa: E402
+from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
+from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
+from trainer.loss import block_inputs, block_labels, dflash_loss, expected_accept_length  # noqa: E402
+from trainer.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from trainer.target import Target, load_target, resolve_mask_token_id  # noqa: E402
 
 __all__ = ["train", "build_drafter", "resolve_paths", "lr_lambda", "main"]
 
@@ -220,8 +232,16 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Train a DFlash drafter (see trainer/train.py).")
     add_cli_args(p)
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+    p.add_argument("--preflight", action="store_true", help="check devices, model, data and kernels, print what "
+                   "was found and exit (0: all passed)")
+    p.add_argument("--log-file", default=None, help="the run log (default OUT_DIR/train.log, "
+                   "train.rank<R>.log under torchrun)")
     args = p.parse_args(argv)
     cfg = from_cli(args)
+    if args.preflight or cfg.target_gpus or cfg.drafter_gpus:
+        from trainer.pipeline import cli
+
+        return cli(cfg, resume=args.resume, preflight_only=args.preflight, log_file=args.log_file)
     train(cfg, resume=args.resume, log=lambda s: print(s, flush=True))
 
 
