@@ -172,10 +172,17 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         f.writelines(json.dumps(r) + "\n" for r in history)
     log(f"drafter: {n_params / 1e6:.2f}M trainable parameters, {cfg.num_layers} layers; {len(ds)} sequences, "
         f"{total} steps on {dev} ({dtype})")
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     if dev.type == "cuda":
         _precompile(cfg, drafter, dev, dtype, log)
-
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        # The target's own kernels (Gated DeltaNet, conv of a hybrid) are compiled by one real
+        # forward/backward before strict mode; its gradients are dropped and nothing is stepped.
+        t0 = time.perf_counter()
+        before = len(dk.cache_info())
+        batch = batch_at(ds, step, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed, pad_id)
+        forward_loss(batch, target, drafter, cfg, dev, dtype)[0].backward()
+        opt.zero_grad(set_to_none=True)
+        log(f"warm-up step: {len(dk.cache_info()) - before} new kernels in {time.perf_counter() - t0:.1f}s")
 
     def save():
         save_checkpoint(ckpt_path, model=drafter, optimizer=opt, scheduler=sched, step=step, config=cfg.to_dict())
