@@ -37,7 +37,6 @@ import math
 import os
 import sys
 import time
-import types
 
 import torch
 
@@ -195,7 +194,7 @@ class FlexDrafterAttention:
         self.mask_mods = {}
         drafter.masks = self.masks
         for layer in drafter.layers:
-            layer.self_attn.forward = types.MethodType(self._forward_fn(), layer.self_attn)
+            layer.self_attn.attend = self._attend_fn()
 
     def _mask_mod(self, S: int, window):
         bs = self.drafter.config.block_size
@@ -235,28 +234,14 @@ class FlexDrafterAttention:
         self.mask_s += time.perf_counter() - t0
         return out
 
-    def _forward_fn(self):
-        from trainer.model import apply_rope
-
+    def _attend_fn(self):
         flex = self.flex
 
-        def forward(attn, x, ctx, rope_q, rope_ctx, mask):
-            B, Tq, _ = x.shape
-            S = ctx.shape[1]
-            q = attn.q_norm(attn.q_proj(x).view(B, Tq, attn.Hq, attn.D))
-            kx = attn.k_norm(attn.k_proj(x).view(B, Tq, attn.Hkv, attn.D))
-            vx = attn.v_proj(x).view(B, Tq, attn.Hkv, attn.D)
-            kc = attn.k_norm(attn.k_proj(ctx).view(B, S, attn.Hkv, attn.D))
-            vc = attn.v_proj(ctx).view(B, S, attn.Hkv, attn.D)
-            q = apply_rope(q, *rope_q)
-            kx = apply_rope(kx, *rope_q)
-            kc = apply_rope(kc, *rope_ctx)
-            k = torch.cat([kc, kx], 1).to(q.dtype)
-            v = torch.cat([vc, vx], 1).to(q.dtype)
+        def attend(q, k, v, mask):
             # flex takes [B, H, T, D]; the library's layout is [B, T, H, D].
             o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True)
-            return attn.o_proj(o.transpose(1, 2).reshape(B, Tq, attn.Hq * attn.D))
-        return forward
+            return o.transpose(1, 2)
+        return attend
 
 
 # ------------------------------------------------------------------------------------- groups
