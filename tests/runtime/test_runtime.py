@@ -131,8 +131,10 @@ def test_tuning_store_persists_across_processes(tmp_path):
             "s = tuning.TuningStore(sys.argv[1])\n"
             "for j in range(20):\n"
             "    s.put(-1, f'k{sys.argv[2]}-{j}', {'config': {'BT': j}, 'ms': 1.0})\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(i)], cwd=REPO) for i in range(4)]
-    assert all(p.wait(timeout=300) == 0 for p in procs)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(i)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(4)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outputs
     path = tuning.TuningStore(str(tmp_path)).path(-1)
     data = json.load(open(path))
     assert len(data) == 80
