@@ -74,6 +74,7 @@ def bench_conv(quick: bool, rows: list) -> list:
     dtype = torch.bfloat16 if cuda else torch.float32
     peers = _peer_conv() if cuda else {}
     W = 4
+    backend = dk.runtime.resolve("conv1d", torch.device(dev))  # "cuda" when the extension was chosen
     # fla's Triton conv faulted (illegal memory access) at B=4 on the H200 in our runs, which kills
     # the CUDA context: every other implementation is measured first, fla last.
     for fla_pass, (B, D, T) in [(p, s) for p in (False, True) for s in shapes]:
@@ -106,6 +107,7 @@ def bench_conv(quick: bool, rows: list) -> list:
                 ms_fb = bench_ms(lambda: torch.autograd.grad(fwd(), (inp, w, bias), grad), quick, cuda)
                 mem = peak_mib(lambda: torch.autograd.grad(fwd(), (inp, w, bias), grad), cuda)
                 rows.append({"op": "conv", "impl": name, "shape": f"B={B} D={D} T={T} W={W}",
+                             **({"backend": backend} if name.startswith("dflash") else {}),
                              "dtype": str(dtype), "fwd_ms": ms_f, "fwdbwd_ms": ms_fb,
                              "fwd_TBps": bytes_fwd / (ms_f * 1e-3) / 1e12, "peak_MiB_fwdbwd": mem})
                 if cuda:
