@@ -8,6 +8,7 @@ one call. The mask build is timed on its own (``mask_ms``; flex's ``create_block
 uncompiled, as trainers rebuild it every step). Called by ``benchmarks/ops.py attention``.
 """
 
+import json
 import time
 
 import torch
@@ -124,7 +125,10 @@ def run(device, quick: bool) -> list:
         shapes, dtype = [CPU_SHAPE], torch.float32
     rows = []
     for s in shapes:
-        rows += _bench_shape(s, device, dtype, quick, with_flex=device.type == "cuda")
+        new = _bench_shape(s, device, dtype, quick, with_flex=device.type == "cuda")
+        for r in new:  # as soon as measured: a run cut short by a time limit keeps its rows in the log
+            print("ROW", json.dumps(r), flush=True)
+        rows += new
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -13,6 +13,8 @@ largest allocation above the inputs during one call. fla's backward refuses on H
 """
 
 
+import json
+
 import torch
 from bench_common import bench_ms, peak_mib
 import torch.nn.functional as F
@@ -105,6 +107,7 @@ def run(device, quick: bool) -> list:
     for s in shapes:
         for name, fn in impls.items():
             rows.append(_bench_one(name, fn, s, device, dtype, quick))
+            print("ROW", json.dumps(rows[-1]), flush=True)  # a run cut short keeps its rows in the log
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ours = {r["shape"]: r for r in rows if r["impl"] == "dflash_kernels" and "fwd_ms" in r}

@@ -22,6 +22,7 @@ import time
 import torch
 import triton
 from triton import knobs
+from triton.runtime.errors import OutOfResources
 
 from dflash_kernels.runtime import settings, tuning
 from dflash_kernels.runtime.devices import current_stream, on_device
@@ -270,9 +271,7 @@ class TritonKernel:
                 config = self.interpret_config
             else:
                 config = self._choose_config(key, grid, args, constexprs, dev, entry)
-            entry.config = config
-            entry.meta = {**constexprs, **config.meta}
-            entry.launch = self._build_launcher(config, entry.meta, args, dev)
+            entry.config, entry.meta, entry.launch = self._launcher_that_fits(config, constexprs, args, dev)
             entry.compiles += 1
             entry.compile_s = time.perf_counter() - t0 - entry.tune_s
             if settings.verbose():
@@ -280,6 +279,21 @@ class TritonKernel:
                       f"({entry.compile_s:.2f}s compile, {entry.tune_s:.2f}s tune, {entry.tuned_from})")
             self._cache[key] = entry  # publish last: a reader sees a complete entry or none
             return entry
+
+    def _launcher_that_fits(self, config, constexprs, args, dev):
+        """Build ``config``; when it needs more shared memory or registers than this GPU has (a config
+        list written for every K, tuning off), the next config in list order that fits, with a message
+        under DFLASH_KERNELS_VERBOSE. Any other compile error propagates."""
+        order = [config] + [c for c in self.configs if c is not config and not self.interpreted]
+        for i, cfg in enumerate(order):
+            meta = {**constexprs, **cfg.meta}
+            try:
+                return cfg, meta, self._build_launcher(cfg, meta, args, dev)
+            except OutOfResources as e:
+                if i == len(order) - 1:
+                    raise
+                if settings.verbose():
+                    print(f"[dflash_kernels] {self.name}: {cfg} does not fit ({e}); trying {order[i + 1]}")
 
     def _full_meta(self, meta):
         return tuple(meta[n] if n in meta else self.constexpr_defaults[n] for n in self.constexpr_names)

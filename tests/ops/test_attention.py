@@ -2,7 +2,6 @@
 
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -258,20 +257,6 @@ def test_dflash_attention_gpu_sizes(case, dtype):
     mask = dflash_block_mask(anchors.cuda(), S, 16, window=case["window"], valid=valid.cuda())
     q, k, v, do = make_qkv(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype)
     check_against_reference(q, k, v, do, mask, dtype, memory_budget=40 << 30)
-
-
-@pytest.mark.gpu
-def test_dflash_mask_build_under_1ms_gpu():
-    anchors = torch.sort(torch.randint(0, 3072, (4, 512), device="cuda"), dim=1).values
-    for _ in range(3):
-        dflash_block_mask(anchors, 3072)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        dflash_block_mask(anchors, 3072)
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / 20 * 1e3
-    assert ms < 1.0, f"mask build took {ms:.3f} ms (host wall time, range check included)"
 
 
 @pytest.mark.gpu

@@ -171,7 +171,8 @@ def test_outputs_are_poisoned_in_this_suite():
 def _bad(**overrides):
     q, k, v, g, beta, h0 = _inputs(1, 8, 1, 2, 16, 16, torch.float32, h0=True)
     args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)
-    args.update(overrides)
+    # The bad tensors live on the test device too, so the check under test is the one that fires.
+    args.update({n: t.to(q.device) if isinstance(t, torch.Tensor) else t for n, t in overrides.items()})
     return args
 
 
@@ -203,7 +204,7 @@ def test_bad_inputs(fn, overrides, error, match):
 def test_varlen_needs_batch_one():
     q, k, v, g, beta, _ = _inputs(2, 8, 1, 1, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="q: with cu_seqlens the batch size must be 1"):
-        chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8]))
+        chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8], device=q.device))
 
 
 # ---------------------------------------------------------------- real sizes, on the GPU only

@@ -103,7 +103,10 @@ def test_strict_mode_env_var():
             "dev = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
             "try:\n    dk.causal_conv1d(torch.randn(1, 4, 8, device=dev), torch.randn(4, 4, device=dev))\n"
             "except dk.KernelCacheMiss as e:\n    print('MISS', e)\n")
-    env = {**os.environ, "DFLASH_KERNELS_STRICT": "1"}
+    # The Triton path (on a GPU with the CUDA extension built, "auto" may pick the extension, which
+    # compiles nothing and so cannot miss).
+    backend = "triton" if torch.cuda.is_available() else os.environ.get("DFLASH_KERNELS_BACKEND", "")
+    env = {**os.environ, "DFLASH_KERNELS_STRICT": "1", "DFLASH_KERNELS_BACKEND": f"conv1d={backend}" if backend else ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert "MISS" in out.stdout and "causal_conv1d_fwd" in out.stdout, out.stdout + out.stderr
@@ -258,3 +261,30 @@ def test_fast_key_matches_triton_specialization():
     # A type the first call did not have (None where a tensor was) is not answered by the fast key.
     assert fast(*(args()[:2] + (None,) + args()[3:])) is None
     assert fast(*(args()[:7] + (40.0,) + args()[8:])) is None
+
+
+def test_config_that_does_not_fit_falls_to_the_next(monkeypatch):
+    """Tuning off: the first config runs unless it needs more shared memory than the GPU has (a
+    config list written for every head size); then the next that fits, never an error."""
+    from triton.runtime.errors import OutOfResources
+    kernel = next(k for k in all_kernels() if len(k.configs) > 1)
+    tried = []
+
+    def build(config, meta, args, dev):
+        tried.append(config)
+        if config is kernel.configs[0]:
+            raise OutOfResources(360448, 232448, "shared memory")
+        return "launcher"
+
+    monkeypatch.setattr(kernel, "_build_launcher", build)
+    monkeypatch.setattr(kernel, "interpreted", False)
+    cfg, meta, launch = kernel._launcher_that_fits(kernel.configs[0], {}, (), 0)
+    assert cfg is kernel.configs[1] and launch == "launcher" and tried == kernel.configs[:2]
+    assert meta == dict(kernel.configs[1].meta)
+
+    def never_fits(*a):
+        raise OutOfResources(1, 0, "shared memory")
+
+    monkeypatch.setattr(kernel, "_build_launcher", never_fits)
+    with pytest.raises(OutOfResources):  # nothing fits: the error, not a silent fallback
+        kernel._launcher_that_fits(kernel.configs[0], {}, (), 0)

@@ -12,6 +12,10 @@ diagonal) run with no mask at all; only the ragged edges evaluate the mask eleme
 group per program (DFlash: one draft block) that is the last tile of each segment; with two, also
 the keys between the two blocks' anchors.
 
+Forward and dq programs run in reverse group order: with anchors sorted along the sequence (as a
+trainer samples them) the last groups see the longest contexts, and starting them first keeps the
+last wave of programs short.
+
 The dk/dv kernel runs per key tile over the reverse index (mask.py), unmasked entries first.
 
 Softmax runs in base 2: scores are multiplied by ``scale * log2(e)`` once so that ``exp2`` (one
@@ -131,7 +135,8 @@ def _attn_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
                      DOT_PREC: tl.constexpr, BN: tl.constexpr, GPB: tl.constexpr):
     tl.static_assert(BM >= BQ * GH)
     tl.static_assert(G % GH == 0)
-    b, kvh, grp, q0, t, h, row_ok = _program_rows(tl.program_id(0), tl.program_id(1), Tq, NG, MB, Hkv,
+    pid_g = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest groups first (module docstring)
+    b, kvh, grp, q0, t, h, row_ok = _program_rows(pid_g, tl.program_id(1), Tq, NG, MB, Hkv,
                                                   G, GH, BQ, BM, GPB)
     offs_d = tl.arange(0, D)
     b64 = b.to(tl.int64)
@@ -237,7 +242,8 @@ def _attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
                         BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
                         DOT_PREC: tl.constexpr, BN: tl.constexpr, GPB: tl.constexpr):
     """dq for the rows of GPB query groups; dq has q's strides."""
-    b, kvh, grp, q0, t, h, row_ok = _program_rows(tl.program_id(0), tl.program_id(1), Tq, NG, MB, Hkv,
+    pid_g = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest groups first (module docstring)
+    b, kvh, grp, q0, t, h, row_ok = _program_rows(pid_g, tl.program_id(1), Tq, NG, MB, Hkv,
                                                   G, GH, BQ, BM, GPB)
     b64 = b.to(tl.int64)
     qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb, stride_qt,
