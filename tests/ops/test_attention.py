@@ -112,6 +112,37 @@ def test_reverse_index_lists_every_visible_tile():
     assert sum(n_full) > 0
 
 
+@needs_kernels
+def test_triton_index_builder_equals_the_torch_reference():
+    """The reverse index built by the Triton kernels (used on the GPU and under the interpreter) is
+    the plain-torch build's, entry for entry: same offsets, same unmasked counts, same order."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from dflash_kernels.ops.attention import mask as mask_module
+
+    g = torch.Generator().manual_seed(5)
+    masks = []
+    for B, S, N, bs, window in [(2, 45, 3, 16, None), (2, 100, 7, 16, 9), (1, 37, 5, 4, 3)]:
+        anchors = torch.randint(0, S + 1, (B, N), generator=g)
+        anchors[0, 0], anchors[-1, -1] = 0, S
+        valid = torch.rand(B, N, generator=g) > 0.2
+        max_len = max(bs, S if window is None else min(window, S))
+        masks.append((dflash_block_mask(anchors.to(DEVICE), S, bs, window=window, valid=valid.to(DEVICE),
+                                        kv_tile=16), max_len))
+    causal = causal_block_mask(77, 90, q_block=16, kv_tile=16, device=DEVICE)
+    masks.append((causal, 90))
+    flex = from_flex_block_mask(create_block_mask(lambda b, h, q, kv: (kv <= q) & (q - kv < 20), None, None,
+                                                  45, 50, device=DEVICE, BLOCK_SIZE=16), kv_tile=16)
+    masks.append((flex, flex.tile_width))
+    for m, max_len in masks:
+        args = (m.segments, m.seg_count, m.q_block, m.q_len, m.kv_len, m.kv_tile, max_len)
+        off_ref, full_ref, ent_ref = mask_module._reverse_index(*args)
+        off, full, ent = mask_module._reverse_index_triton(*args)
+        assert torch.equal(off, off_ref) and torch.equal(full, full_ref)
+        n = int(off_ref[-1])
+        assert n > 0 and torch.equal(ent[:n], ent_ref[:n])
+        assert ent.shape == ent_ref.shape  # the same upper bound: rows past offsets[-1] are never read
+
+
 DFLASH_CASES = [
     # B, S, N, bs, Hq, Hkv, window, dtype
     pytest.param(2, 37, 5, 4, 4, 1, None, torch.float32, id="fp32-G4-S37"),

@@ -142,10 +142,45 @@ def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len
     return offsets.to(torch.int32), n_full.to(torch.int32), entries
 
 
+_rev_count = _rev_fill = None  # TritonKernels, made on first use (mask.py imports no Triton otherwise)
+
+
+def _reverse_index_triton(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len):
+    """``_reverse_index`` in two Triton launches and a prefix sum (kernels_mask.py); same result on
+    the listed entries (rows past ``offsets[-1]`` are unused and left unwritten)."""
+    global _rev_count, _rev_fill
+    from dflash_kernels.runtime import Config, TritonKernel, alloc
+    if _rev_count is None:
+        from dflash_kernels.ops.attention import kernels_mask
+        cfg = [Config(BP=256, num_warps=4)]
+        _rev_count = TritonKernel(kernels_mask._rev_count_kernel, name="mask_rev_count", configs=cfg,
+                                  interpret_config=Config(BP=64))
+        _rev_fill = TritonKernel(kernels_mask._rev_fill_kernel, name="mask_rev_fill", configs=cfg,
+                                 interpret_config=Config(BP=64))
+    dev = segments.device
+    MB, NG, MS, _ = segments.shape
+    NKV = -(-kv_len // kv_tile)
+    T = -(-max_len // kv_tile) + 1
+    counts = alloc.empty(2, MB * NKV, dtype=torch.int32, device=dev)
+    args = (NG, MS, NKV, q_len, q_block, kv_tile)
+    _rev_count((NKV, MB), segments, seg_count, counts, *args)
+    offsets = torch.zeros(MB * NKV + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(counts[0], 0, dtype=torch.int32, out=offsets[1:])
+    entries = alloc.empty(MB * NG * MS * T, 2, dtype=torch.int32, device=dev)
+    _rev_fill((NKV, MB), segments, seg_count, offsets, counts, entries, *args)
+    return offsets, counts[1], entries
+
+
+def _use_triton_builder(device) -> bool:
+    from dflash_kernels.runtime import backends
+    return backends.resolve("attention", device) in ("triton", "interpret")
+
+
 def _finish(segments, seg_count, tiles, q_len, kv_len, q_block, kv_tile, tile_width, max_len):
     segments = segments.to(torch.int32).contiguous()
     seg_count = seg_count.to(torch.int32).contiguous()
-    offsets, n_full, entries = _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len)
+    build = _reverse_index_triton if _use_triton_builder(segments.device) else _reverse_index
+    offsets, n_full, entries = build(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len)
     return BlockSparseMask(segments, seg_count, tiles.contiguous(), offsets, n_full, entries, q_len=q_len,
                            kv_len=kv_len, q_block=q_block, kv_tile=kv_tile, tile_width=tile_width)
 
