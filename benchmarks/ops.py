@@ -65,7 +65,7 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def bench_conv(quick: bool, rows: list) -> list:
+def bench_conv(quick: bool, rows: list, only=None) -> list:
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
     shapes = CONV_SHAPES if cuda else [(1, 64, 256)]
@@ -104,7 +104,7 @@ def bench_conv(quick: bool, rows: list) -> list:
             fn = peers["fla"]
             impls["fla (Triton)"] = (lambda: fn(x_btd, w, bias, activation="silu")[0], x_btd)
         for name, (fwd, inp) in impls.items():
-            if order.get(name, 1) != pass_:
+            if order.get(name, 1) != pass_ or (only and not any(name.startswith(o) for o in only)):
                 continue
             print(f"  conv {name} B={B} D={D} T={T} ...", flush=True)
             try:
@@ -213,6 +213,8 @@ def main():
     parser.add_argument("what", nargs="*", default=["all"], help="conv, attention, gdn, overhead or all")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/ops.jsonl")
+    parser.add_argument("--impls", default="", help="conv: only implementations whose names start with one of "
+                        "these (comma-separated), e.g. 'causal_conv1d' to run a peer in a process of its own")
     args = parser.parse_args()
     what = set(args.what)
     if "all" in what:
@@ -235,7 +237,7 @@ def main():
             rows.append({"op": "overhead", "impl": "(aborted)", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     if "conv" in what:
         try:
-            bench_conv(args.quick, rows)
+            bench_conv(args.quick, rows, [o for o in args.impls.split(",") if o] or None)
         except Exception as e:  # noqa: BLE001 - a sticky CUDA error: report what was measured so far
             rows.append({"op": "conv", "impl": "(aborted)", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     if "attention" in what:

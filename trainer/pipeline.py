@@ -47,10 +47,11 @@ from trainer.checkpoint import CHECKPOINT_NAME, save_checkpoint, set_rng_state
 from trainer.config import TrainConfig, dump
 from trainer.data import batch_at, load_jsonl, steps_per_epoch
 from trainer.distributed import Dist, init_distributed
-from trainer.loss import block_inputs, block_labels, dflash_loss, expected_accept_length
+from trainer.loss import expected_accept_length
 from trainer.supervise import (EXIT_FAILED, EXIT_OK, RunLog, StopRequest, Stopped, Supervisor, Watchdog, WorkerFailed,
                                fault_point, get_log, hard_exit, install_signal_handlers)
 from trainer.target import Target, load_target, resolve_mask_token_id
+from trainer.step import drafter_loss, target_features
 from trainer.train import _fmt_eta, _peak_mem_gib, build_drafter, lr_lambda, resolve_paths
 
 __all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_digest", "cli"]
@@ -121,38 +122,6 @@ class Heads:
 
     def lm_head(self, h):
         return self._head(h.to(self._head.weight.dtype))
-
-
-def target_features(target: Target, batch: dict, dev) -> torch.Tensor:
-    """The target half: features ``[B, S, k * H]`` of a batch (packed rows: every document alone)."""
-    ids = batch["input_ids"].to(dev, non_blocking=True)
-    if "doc_ids" in batch:
-        from trainer.data import packed_target_features
-
-        return packed_target_features(target, ids, batch["doc_ids"].to(dev, non_blocking=True))
-    return target.features(ids)
-
-
-def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainConfig, dev, dtype):
-    """The drafter half of :func:`trainer.train.forward_loss` (features computed elsewhere)."""
-    ids = batch["input_ids"].to(dev, non_blocking=True)
-    lm = batch["loss_mask"].to(dev, non_blocking=True)
-    lengths = batch["lengths"].to(dev, non_blocking=True)
-    anchors = batch["anchors"].to(dev, non_blocking=True)
-    valid = batch["valid"].to(dev, non_blocking=True)
-    dcfg = drafter.config
-    with torch.no_grad():
-        emb = heads.embed(block_inputs(ids, anchors, dcfg.mask_token_id, dcfg.block_size))
-    labels, counted = block_labels(ids, lm, lengths, anchors, valid, dcfg.block_size)
-    masks = None
-    if "doc_ids" in batch:  # packed rows: a block's context is its own document only
-        from trainer.data import packed_drafter_masks
-
-        masks = packed_drafter_masks(drafter, anchors, batch["doc_ids"].to(dev, non_blocking=True), valid)
-    with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda" and dtype != torch.float32):
-        hidden = drafter(emb, feats, anchors, valid, masks=masks)
-        logits = heads.lm_head(hidden)
-    return dflash_loss(logits, labels, counted, cfg.gamma)
 
 
 def _get(q: queue.Queue, sup: Supervisor):

@@ -38,11 +38,12 @@ import dflash_kernels as dk  # noqa: E402
 from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint  # noqa: E402
 from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
 from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
-from trainer.loss import block_inputs, block_labels, dflash_loss, expected_accept_length  # noqa: E402
+from trainer.loss import expected_accept_length  # noqa: E402
+from trainer.step import forward_loss  # noqa: E402
 from trainer.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from trainer.target import Target, load_target, resolve_mask_token_id  # noqa: E402
 
-__all__ = ["train", "build_drafter", "resolve_paths", "lr_lambda", "main"]
+__all__ = ["train", "build_drafter", "resolve_paths", "lr_lambda", "forward_loss", "main"]
 
 
 def resolve_paths(cfg: TrainConfig, log=print) -> TrainConfig:
@@ -103,24 +104,6 @@ def _fmt_eta(sec: float) -> str:
     return f"{sec // 3600}:{sec % 3600 // 60:02d}:{sec % 60:02d}"
 
 
-def forward_loss(batch: dict, target: Target, drafter: DFlashDrafter, cfg: TrainConfig, dev, dtype):
-    """One batch -> (loss, stats). The target runs without grad; only the drafter is differentiated."""
-    ids = batch["input_ids"].to(dev, non_blocking=True)
-    lm = batch["loss_mask"].to(dev, non_blocking=True)
-    lengths = batch["lengths"].to(dev)
-    anchors = batch["anchors"].to(dev)
-    valid = batch["valid"].to(dev)
-    dcfg = drafter.config
-    feats = target.features(ids)
-    with torch.no_grad():
-        emb = target.embed(block_inputs(ids, anchors, dcfg.mask_token_id, dcfg.block_size))
-    labels, counted = block_labels(ids, lm, lengths, anchors, valid, dcfg.block_size)
-    with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda" and dtype != torch.float32):
-        hidden = drafter(emb, feats, anchors, valid)
-        logits = target.lm_head(hidden)
-    return dflash_loss(logits, labels, counted, cfg.gamma)
-
-
 def _precompile(cfg: TrainConfig, drafter: DFlashDrafter, dev, dtype, log):
     dc = drafter.config
     specs = []
@@ -149,7 +132,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     mask_id = resolve_mask_token_id(tok, target.vocab_size, cfg.mask_token_id)
     log(f"target: {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}, "
         f"layers {target.layer_ids}, mask token {mask_id}")
-    ds = load_jsonl(cfg.data, tok, cfg.max_len, cfg.block_size, vocab_size=target.vocab_size, log=log)
+    ds = load_jsonl(cfg.data, tok, cfg.max_len, cfg.block_size, vocab_size=target.vocab_size, log=log,
+                    pack=cfg.pack)
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     n_params = sum(p.numel() for p in drafter.parameters())
     total = cfg.steps or cfg.epochs * steps_per_epoch(len(ds), cfg.batch_size)

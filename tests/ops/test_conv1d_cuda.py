@@ -20,7 +20,7 @@ import dflash_kernels as dk
 from dflash_kernels.ops.conv1d import conv1d as conv_mod
 from dflash_kernels.ops.conv1d import cuda as conv_cuda
 from dflash_kernels.ops.conv1d.naive import causal_conv1d_ref, causal_conv1d_update_ref
-from dflash_kernels.runtime import backends, settings, tuning
+from dflash_kernels.runtime import backends, tuning
 from tests.helpers import device
 from tests.ops import test_conv1d as base
 

@@ -208,7 +208,7 @@ def dispatch(kind: str, backend: str, run_triton, run_cuda, args: tuple):
 
 def _bucket_of(kind: str, args: tuple):
     if kind == "update":
-        x, state, weight = args[0], args[1], args[2]
+        x, weight = args[0], args[2]
         B, D, L = x.shape
         return ("update", str(x.dtype), weight.shape[1], _bucket(L, 64), _bucket(B * D, 1 << 20))
     if kind == "fwd":

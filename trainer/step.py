@@ -1,0 +1,48 @@
+"""One training step's forward, shared by the single-process loop (train.py) and the pipeline:
+target features, then the drafter's weighted block loss. Packed rows (a batch with ``doc_ids``) run
+every document through the target alone and limit each draft block's context to its own document."""
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.loss import block_inputs, block_labels, dflash_loss
+from trainer.target import Target
+
+__all__ = ["forward_loss", "target_features", "drafter_loss"]
+
+
+def target_features(target: Target, batch: dict, dev) -> torch.Tensor:
+    """The target half: features ``[B, S, k * H]`` of a batch (packed rows: every document alone)."""
+    ids = batch["input_ids"].to(dev, non_blocking=True)
+    if "doc_ids" in batch:
+        from trainer.data import packed_target_features
+
+        return packed_target_features(target, ids, batch["doc_ids"].to(dev, non_blocking=True))
+    return target.features(ids)
+
+
+def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainConfig, dev, dtype):
+    """The drafter half of :func:`forward_loss` (features computed elsewhere: the pipeline's target GPUs)."""
+    ids = batch["input_ids"].to(dev, non_blocking=True)
+    lm = batch["loss_mask"].to(dev, non_blocking=True)
+    lengths = batch["lengths"].to(dev, non_blocking=True)
+    anchors = batch["anchors"].to(dev, non_blocking=True)
+    valid = batch["valid"].to(dev, non_blocking=True)
+    dcfg = drafter.config
+    with torch.no_grad():
+        emb = heads.embed(block_inputs(ids, anchors, dcfg.mask_token_id, dcfg.block_size))
+    labels, counted = block_labels(ids, lm, lengths, anchors, valid, dcfg.block_size)
+    masks = None
+    if "doc_ids" in batch:  # packed rows: a block's context is its own document only
+        from trainer.data import packed_drafter_masks
+
+        masks = packed_drafter_masks(drafter, anchors, batch["doc_ids"].to(dev, non_blocking=True), valid)
+    with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda" and dtype != torch.float32):
+        hidden = drafter(emb, feats, anchors, valid, masks=masks)
+        logits = heads.lm_head(hidden)
+    return dflash_loss(logits, labels, counted, cfg.gamma)
+
+
+def forward_loss(batch: dict, target: Target, drafter, cfg: TrainConfig, dev, dtype):
+    """One batch -> (loss, stats). The target runs without grad; only the drafter is differentiated."""
+    return drafter_loss(batch, target_features(target, batch, dev), target, drafter, cfg, dev, dtype)
