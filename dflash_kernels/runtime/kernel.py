@@ -335,6 +335,12 @@ class TritonKernel:
         return f"{self.name}|{self._source_hash}|{bucket!r}|{constexprs!r}|{spec!r}"
 
     def _choose_config(self, key, grid, args, constexprs, dev, entry):
+        if settings.compile_candidates_only() and len(self.configs) > 1:
+            for config in self.configs[1:]:  # the first is built by the caller
+                try:
+                    self._build_launcher(config, {**constexprs, **config.meta}, args, dev)
+                except Exception:  # noqa: BLE001 - a candidate that does not fit is no candidate
+                    pass
         if len(self.configs) == 1 or not settings.tuning_enabled():
             entry.tuned_from = "single" if len(self.configs) == 1 else "disabled"
             return self.configs[0]

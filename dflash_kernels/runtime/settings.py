@@ -6,6 +6,9 @@ Environment variables (read at import, overridable from Python):
 - ``DFLASH_KERNELS_STRICT=1``: a kernel-cache miss raises :class:`KernelCacheMiss` instead of compiling.
 - ``DFLASH_KERNELS_BACKEND="op=name,op=name"``: per-op backend choice (see ``backends``).
 - ``DFLASH_KERNELS_TUNE=0``: skip timing candidates on the GPU; take each kernel's first config.
+  ``DFLASH_KERNELS_TUNE=compile``: compile every candidate (filling Triton's on-disk cache) but time
+  none and take the first: a warm-up process run beside other GPU work, so that a later tuning run
+  only times (nothing is persisted to the tuning store from it).
 - ``DFLASH_KERNELS_VERBOSE=1``: print each compile and tuning result.
 """
 
@@ -37,7 +40,11 @@ def interpreting() -> bool:
 
 
 def tuning_enabled() -> bool:
-    return os.environ.get("DFLASH_KERNELS_TUNE", "1").strip() not in ("0", "false", "no", "off")
+    return os.environ.get("DFLASH_KERNELS_TUNE", "1").strip() not in ("0", "false", "no", "off", "compile")
+
+
+def compile_candidates_only() -> bool:
+    return os.environ.get("DFLASH_KERNELS_TUNE", "1").strip() == "compile"
 
 
 def verbose() -> bool:

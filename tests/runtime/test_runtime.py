@@ -288,3 +288,18 @@ def test_config_that_does_not_fit_falls_to_the_next(monkeypatch):
     monkeypatch.setattr(kernel, "_build_launcher", never_fits)
     with pytest.raises(OutOfResources):  # nothing fits: the error, not a silent fallback
         kernel._launcher_that_fits(kernel.configs[0], {}, (), 0)
+
+
+def test_tune_compile_mode_builds_every_candidate_and_times_none(monkeypatch):
+    """DFLASH_KERNELS_TUNE=compile: every candidate is compiled (Triton's disk cache fills), none is
+    timed, the first config runs and nothing is written to the tuning store."""
+    from dflash_kernels.runtime.kernel import _Entry
+    kernel = next(k for k in all_kernels() if len(k.configs) > 2)
+    built = []
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "compile")
+    monkeypatch.setattr(kernel, "_build_launcher", lambda config, meta, args, dev: built.append(config))
+    monkeypatch.setattr(kernel, "_time_configs", lambda *a: pytest.fail("timed a candidate in compile mode"))
+    monkeypatch.setattr(tuning, "store", lambda: pytest.fail("touched the tuning store in compile mode"))
+    entry = _Entry()
+    assert kernel._choose_config(("k",), (1,), (), {}, 0, entry) is kernel.configs[0]
+    assert built == kernel.configs[1:] and entry.tuned_from == "disabled"
