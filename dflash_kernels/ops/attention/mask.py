@@ -168,7 +168,7 @@ def _reverse_index_triton(segments, seg_count, q_block, q_len, kv_len, kv_tile, 
     torch.cumsum(counts[0], 0, dtype=torch.int32, out=offsets[1:])
     entries = alloc.empty(MB * NG * MS * T, 2, dtype=torch.int32, device=dev)
     _rev_fill((NKV, MB), segments, seg_count, offsets, counts, entries, *args)
-    return offsets, counts[1], entries
+    return offsets, counts[1].clone(), entries  # its own allocation: 16-byte aligned like the torch build's
 
 
 def _use_triton_builder(device) -> bool:
