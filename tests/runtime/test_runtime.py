@@ -201,7 +201,9 @@ def test_gpu_tuning_persisted_second_process_does_not_tune(tmp_path):
     code = ("import torch, dflash_kernels as dk\n"
             "dk.causal_conv1d(torch.randn(2, 512, 1000, device='cuda'), torch.randn(512, 4, device='cuda'))\n"
             "print(sorted({v['tuned_from'] for k, v in dk.cache_info().items()}))\n")
-    env = {**os.environ, "DFLASH_KERNELS_CACHE_DIR": str(tmp_path), "DFLASH_KERNELS_TUNE": "1"}
+    # conv1d pinned to triton: with the CUDA extension built, "auto" may run the extension (no Triton key).
+    env = {**os.environ, "DFLASH_KERNELS_CACHE_DIR": str(tmp_path), "DFLASH_KERNELS_TUNE": "1",
+           "DFLASH_KERNELS_BACKEND": "conv1d=triton"}
     first = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
     second = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True)
     assert "timed" in first.stdout, first.stdout + first.stderr
