@@ -1,33 +1,64 @@
-"""Render ``benchmarks/results/ops.jsonl`` into PNG charts: ``python benchmarks/plot.py [--out DIR]``.
+"""Render ``benchmarks/results/`` into PNG charts: ``python benchmarks/plot.py [--out DIR]``.
 
-One chart per (op, GPU): for every shape, the forward and forward+backward milliseconds of each
-implementation measured in the latest run that has that op (so bars in one chart come from one run,
-with the peers timed beside the library). Rows that failed are listed under the chart, not dropped.
+- One chart per (op, GPU) from ``ops.jsonl``: for every shape, the forward and forward+backward
+  milliseconds of each implementation in the latest session that measured that op (rows stamped
+  within ``SESSION_S`` of the newest one: a session runs each peer in a process of its own), the
+  newest row per (implementation, shape, backend). Failed rows are listed under the chart.
+- ``tok_s-<GPU>.png`` from ``tok_s.jsonl``: tokens/s per preset and backend group, latest session.
+- ``loss-<run>.png`` for each ``train/*-metrics.jsonl``: the training loss and accuracy per step.
 Needs matplotlib (``pip install matplotlib``).
 """
 
 import argparse
+import datetime
+import glob
 import json
 import os
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "ops.jsonl")
+SESSION_S = 1800  # rows stamped this close to a chart's newest row belong to its session
+
+
+def _seconds(date: str):
+    try:
+        return datetime.datetime.fromisoformat(date).timestamp()
+    except ValueError:  # not an ISO stamp: only equal stamps are one session
+        return None
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def latest_session(rows, key):
+    """The rows of the newest session, newest row per ``key(row)``, in first-measured order."""
+    newest = max(r["date"] for r in rows)
+    t_new = _seconds(newest)
+
+    def same_session(r):
+        if r["date"] == newest:
+            return True
+        t = _seconds(r["date"])
+        return t is not None and t_new is not None and t_new - t <= SESSION_S
+
+    keep = {}
+    for r in sorted((r for r in rows if same_session(r)), key=lambda r: r["date"]):
+        keep[key(r)] = r  # a later row of the same key replaces the earlier one
+    return sorted(keep.values(), key=lambda r: r["date"])
 
 
 def load_latest_runs(path):
-    """``{(op, gpu): rows of the newest run of that op on that GPU}``, a run being one date stamp."""
-    runs = defaultdict(lambda: defaultdict(list))
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            row = json.loads(line)
-            if row.get("op") in (None, "copy", "overhead") or "shape" not in row and "error" not in row:
-                continue
-            runs[(row["op"], row.get("gpu", "?"))][row["date"]].append(row)
-    return {key: by_date[max(by_date)] for key, by_date in runs.items()}
+    """``{(op, gpu): rows of the newest session that measured that op on that GPU}``."""
+    runs = defaultdict(list)
+    for row in _read(path):
+        if row.get("op") in (None, "copy", "overhead") or "shape" not in row and "error" not in row:
+            continue
+        runs[(row["op"], row.get("gpu", "?"))].append(row)
+    return {k: latest_session(rows, lambda r: (r.get("impl"), r.get("shape"), r.get("backend")))
+            for k, rows in runs.items()}
 
 
 def plot_op(op, gpu, rows, out_dir):
@@ -37,8 +68,9 @@ def plot_op(op, gpu, rows, out_dir):
 
     ok = [r for r in rows if "fwd_ms" in r]
     failed = [r for r in rows if "fwd_ms" not in r]
+    label = {id(r): r["impl"] + (f" [{r['backend']}]" if r.get("backend") else "") for r in rows}
     shapes = list(dict.fromkeys(r["shape"] for r in ok))
-    impls = list(dict.fromkeys(r["impl"] for r in ok))
+    impls = list(dict.fromkeys(label[id(r)] for r in ok))
     if not shapes:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 3 * len(shapes) * 2), 4.5), squeeze=False)
@@ -47,7 +79,7 @@ def plot_op(op, gpu, rows, out_dir):
         for j, impl in enumerate(impls):
             values = []
             for shape in shapes:
-                match = [r.get(metric) for r in ok if r["shape"] == shape and r["impl"] == impl]
+                match = [r.get(metric) for r in ok if r["shape"] == shape and label[id(r)] == impl]
                 values.append(match[0] if match and isinstance(match[0], (int, float)) else 0.0)
             xs = [i + j * width for i in range(len(shapes))]
             bars = ax.bar(xs, values, width, label=impl)
@@ -60,7 +92,7 @@ def plot_op(op, gpu, rows, out_dir):
         ax.set_ylabel("ms (median, lower is better)")
         ax.set_title(f"{op} {title}")
     axes[0][0].legend(fontsize=7)
-    date = rows[0]["date"]
+    date = rows[0]["date"] if rows[0]["date"] == rows[-1]["date"] else f"{rows[0]['date']} .. {rows[-1]['date']}"
     note = f"{gpu} | torch {rows[0].get('torch')} | triton {rows[0].get('triton')} | {date}"
     if failed:
         note += "\nfailed: " + "\n        ".join(f"{r['impl']} {r.get('shape', '')}: {r.get('error', '')[:60]}"
@@ -73,6 +105,65 @@ def plot_op(op, gpu, rows, out_dir):
     return path
 
 
+def plot_tok_s(path, out_dir):
+    """tokens/s per (preset, group) of the newest session per GPU."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_gpu = defaultdict(list)
+    for r in _read(path):
+        if isinstance(r.get("tok_s"), (int, float)):
+            by_gpu[r.get("gpu", "?")].append(r)
+    paths = []
+    for gpu, rows in by_gpu.items():
+        rows = latest_session(rows, lambda r: (r["preset"], r["group"]))
+        fig, ax = plt.subplots(figsize=(2 + 1.6 * len(rows), 4))
+        names = [f"{r['preset']}\n{r['group']}" for r in rows]
+        bars = ax.bar(range(len(rows)), [r["tok_s"] for r in rows])
+        for bar, r in zip(bars, rows):
+            ax.annotate(f"{r['tok_s']:,.0f}", (bar.get_x() + bar.get_width() / 2, r["tok_s"]), ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels(names, fontsize=7)
+        ax.set_ylabel("drafter-training tokens/s (higher is better)")
+        ax.set_title(f"tok_s on {gpu}")
+        fig.text(0.01, 0.01, f"torch {rows[0].get('torch')} | triton {rows[0].get('triton')} | {rows[-1]['date']}",
+                 fontsize=7)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+        out = os.path.join(out_dir, f"tok_s-{gpu.replace(' ', '_')}.png")
+        fig.savefig(out, dpi=120)
+        plt.close(fig)
+        paths.append(out)
+    return paths
+
+
+def plot_loss(path, out_dir):
+    """Loss and accuracy per step of one training run's metrics.jsonl."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _read(path)
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["loss"] for r in rows], label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted block CE")
+    ax.set_yscale("log")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["acc"] for r in rows], color="tab:orange", label="accuracy")
+    ax2.set_ylabel("draft-token accuracy")
+    name = os.path.basename(path).replace("-metrics.jsonl", "")
+    ax.set_title(f"training run {name}")
+    fig.legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    out = os.path.join(out_dir, f"loss-{name}.png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=RESULTS)
@@ -82,6 +173,13 @@ def main():
     for (op, gpu), rows in sorted(load_latest_runs(args.results).items()):
         path = plot_op(op, gpu, rows, args.out)
         print(path or f"{op} on {gpu}: no successful rows to plot")
+    results_dir = os.path.dirname(os.path.abspath(args.results))
+    tok_s = os.path.join(results_dir, "tok_s.jsonl")
+    if os.path.exists(tok_s):
+        for path in plot_tok_s(tok_s, args.out):
+            print(path)
+    for metrics in sorted(glob.glob(os.path.join(results_dir, "train", "*-metrics.jsonl"))):
+        print(plot_loss(metrics, args.out))
 
 
 if __name__ == "__main__":

@@ -26,3 +26,20 @@ def test_latest_run_per_op_and_gpu(tmp_path):
     assert [r.get("fwd_ms") for r in runs[("conv", "H200")]] == [2.0, None]
     assert runs[("conv", "H200")][1]["error"] == "boom"
     assert [r["fwd_ms"] for r in runs[("conv", "A100")]] == [3.0]
+
+
+def test_a_session_spans_processes_and_keeps_the_newest_row_per_key(tmp_path):
+    """A GPU session runs each peer in its own process (each with its own stamp): rows within
+    SESSION_S of the newest belong to the chart; an older session's rows do not."""
+    rows = [
+        {"op": "conv", "impl": "a", "shape": "s", "fwd_ms": 9.0, "gpu": "H200", "date": "2026-11-29T10:00:00+00:00"},
+        {"op": "conv", "impl": "a", "shape": "s", "fwd_ms": 1.0, "gpu": "H200", "date": "2026-11-29T13:15:00+00:00"},
+        {"op": "conv", "impl": "a", "shape": "s", "fwd_ms": 1.5, "backend": "cuda", "gpu": "H200",
+         "date": "2026-11-29T13:15:00+00:00"},
+        {"op": "conv", "impl": "peer", "shape": "s", "fwd_ms": 2.0, "gpu": "H200", "date": "2026-11-29T13:16:00+00:00"},
+    ]
+    path = tmp_path / "ops.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = plot.load_latest_runs(str(path))[("conv", "H200")]
+    assert [(r["impl"], r.get("backend"), r["fwd_ms"]) for r in got] == [("a", None, 1.0), ("a", "cuda", 1.5),
+                                                                          ("peer", None, 2.0)]
