@@ -16,3 +16,43 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b64.norm().item()
     diff = (a64 - b64).norm().item()
     return diff / denom if denom > 0 else diff
+
+
+def hopper_shared_memory(module: str, name: str, arg_types: dict, constexprs: dict, configs: list) -> list:
+    """Bytes of shared memory the ``@triton.jit`` function ``module.name`` needs when compiled for
+    sm_90, one number per ``(num_warps, num_stages, extra constexprs)`` in ``configs``.
+
+    Compiled with Triton's own toolchain (ptxas ships with the triton wheel), so no GPU is needed;
+    in a subprocess without TRITON_INTERPRET, since interpreted kernels cannot be compiled.
+    ``arg_types``: Triton type strings of runtime parameters ("*bf16", "*fp32", "fp32"); others "i32"."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import importlib, inspect, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name, types, consts, configs = json.loads(sys.argv[1])
+fn = getattr(importlib.import_module(module), name)
+out = []
+for nw, ns, extra in configs:
+    c = {**consts, **extra}
+    sig = {p: "constexpr" if p in c else types.get(p, "i32") for p in inspect.signature(fn.fn).parameters}
+    k = triton.compile(ASTSource(fn, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": nw, "num_stages": ns})
+    out.append(k.metadata.shared)
+print(json.dumps(out))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    arg = json.dumps([module, name, arg_types, constexprs, configs])
+    res = subprocess.run([sys.executable, "-c", code, arg], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB), as Triton reports the H200's limit

@@ -277,3 +277,22 @@ def test_gpu_threads_on_fresh_shapes():
         assert rel_err(o, ro) <= _tol(torch.bfloat16) and rel_err(ht, rht) <= _tol(torch.bfloat16)
         for name in grads:
             assert rel_err(grads[name], rgrads[name]) <= _tol(torch.bfloat16, grad=True), name
+
+
+@pytest.mark.parametrize("K", [128, 256])
+def test_backward_local_kernel_fits_hopper_shared_memory(K):
+    """Every bf16 candidate of the backward's local kernel fits the H200's shared memory, K=256
+    included (compiled for sm_90 with Triton's toolchain: no GPU needed). It needed 288-352 KiB at
+    K=256 before its K-wide operands went to the dots in bf16, which failed on the H200."""
+    from dflash_kernels.ops.gated_delta_rule.chunk import _KERNELS
+    from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
+
+    types = {n: "*fp32" for n in ("gcum_ptr", "dq_ptr", "dk_ptr", "dbeta_ptr", "dg_ptr", "A_ptr")}
+    types.update({p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "h_ptr", "dh_ptr", "vnew_ptr",
+                                       "dvnew_ptr", "do_ptr", "dv_ptr")})
+    types.update({"cu_seqlens_ptr": "*i32", "chunk_indices_ptr": "*i32", "scale": "fp32"})
+    configs = _KERNELS[False].bwd_local.configs
+    consts = dict(HK=16, HV=48, K=K, V=K, BT=64, BK=K, IS_VARLEN=False)
+    smem = hopper_shared_memory("dflash_kernels.ops.gated_delta_rule.kernels_bwd", "_gdn_bwd_local_kernel",
+                                types, consts, [(c.num_warps, c.num_stages, dict(c.meta)) for c in configs])
+    assert len(smem) == len(configs) and all(0 < b <= H200_SHARED_MEMORY for b in smem), list(zip(configs, smem))

@@ -157,11 +157,11 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     # WY representation: w = A X, u = A Y, then A = (I + L)^-1.
     b_bg = b_beta * b_eG
     b_X = b_kf * b_bg[:, None]
-    b_dX = tl.dot(tl.trans(b_A), b_dw)
+    b_dX = tl.dot(tl.trans(b_A.to(dt)), b_dw.to(dt))
     b_dk += b_dX * b_bg[:, None]
     b_dbeta = tl.sum(b_dX * b_kf * b_eG[:, None], 1)
     b_dG += tl.sum(b_dX * b_X, 1)
-    b_dA = tl.dot(b_dw, tl.trans(b_X))
+    b_dA = tl.dot(b_dw.to(dt), tl.trans(b_X.to(dt)))
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -181,7 +181,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_dLg = b_dL * gamma_s
     b_dbeta += tl.sum(b_dLg * b_kk, 1)
     b_dR = b_dLg * b_beta[:, None]
-    b_dk += tl.dot(b_dR, b_kf) + tl.dot(tl.trans(b_dR), b_kf)
+    b_dk += tl.dot(b_dR.to(dt), b_k) + tl.dot(tl.trans(b_dR.to(dt)), b_k)
     b_t3 = b_dR * b_kk
     b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
