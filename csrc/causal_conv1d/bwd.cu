@@ -43,6 +43,17 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
         load_vec<T, 16>(xr + t0[c] * p.x_st, p.x_st, nn[c], vec && nn[c] == N, xv[c]);
         load_vec<T, 16>(dyr + t0[c] * p.dy_st, p.dy_st, nn[c], vec && nn[c] == N, gv[c]);
     }
+    // The warp-edge values (lane 0's left halo of x, lane 31's g after its last time) are loaded
+    // here, in flight with the loads above, not after the shuffles (see fwd.cu).
+    float halo[kCfChunks][W - 1], edge[kCfChunks][W - 1];
+#pragma unroll
+    for (int c = 0; c < kCfChunks; ++c) {
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j) {
+            halo[c][j] = lane == 0 ? src_x<T, W>(p, b, d, t0[c] - (W - 1) + j) : 0.f;
+            edge[c][j] = lane == 31 ? g_at<T, W>(p, b, d, t0[c] + N + j) : 0.f;
+        }
+    }
 
     float dw[W], db = 0.f;
 #pragma unroll
@@ -55,7 +66,7 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
         for (int j = 0; j < W - 1; ++j) win[j] = __shfl_up_sync(kFullMask, xv[c][N - (W - 1) + j], 1);
         if (lane == 0) {
 #pragma unroll
-            for (int j = 0; j < W - 1; ++j) win[j] = src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+            for (int j = 0; j < W - 1; ++j) win[j] = halo[c][j];
         }
 #pragma unroll
         for (int k = 0; k < N; ++k) win[W - 1 + k] = xv[c][k];
@@ -98,7 +109,7 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
         for (int j = 0; j < W - 1; ++j) gh[j] = __shfl_down_sync(kFullMask, gv[c][j], 1);
         if (lane == 31) {
 #pragma unroll
-            for (int j = 0; j < W - 1; ++j) gh[j] = g_at<T, W>(p, b, d, t0[c] + N + j);
+            for (int j = 0; j < W - 1; ++j) gh[j] = edge[c][j];
         }
         if (nn[c] == 0) continue;  // after the shuffles: every lane takes part in them
 

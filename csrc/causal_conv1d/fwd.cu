@@ -37,6 +37,16 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
         const int n = left <= 0 ? 0 : (left >= N ? N : int(left));
         load_vec<T, 16>(xr + t0[c] * p.x_st, p.x_st, n, vec && n == N, xv[c]);
     }
+    // Lane 0's halo (the W - 1 inputs before the warp's first) is loaded here, in flight with the
+    // loads above, not after the shuffles: a block moves only a few KiB, so a second dependent
+    // round trip to memory per block would halve the achievable bandwidth.
+    float halo[kCfChunks][W - 1];
+#pragma unroll
+    for (int c = 0; c < kCfChunks; ++c) {
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j)
+            halo[c][j] = lane == 0 ? src_x<T, W>(p, b, d, t0[c] - (W - 1) + j) : 0.f;
+    }
 
 #pragma unroll
     for (int c = 0; c < kCfChunks; ++c) {
@@ -46,7 +56,7 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
         for (int j = 0; j < W - 1; ++j) win[j] = __shfl_up_sync(kFullMask, xv[c][N - (W - 1) + j], 1);
         if (lane == 0) {
 #pragma unroll
-            for (int j = 0; j < W - 1; ++j) win[j] = src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+            for (int j = 0; j < W - 1; ++j) win[j] = halo[c][j];
         }
 #pragma unroll
         for (int k = 0; k < N; ++k) win[W - 1 + k] = xv[c][k];
