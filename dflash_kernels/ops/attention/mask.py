@@ -20,13 +20,19 @@ All rows of a group see the same segments, so a kernel tile of ``q_block`` posit
 heads of one GQA group runs one key loop. The backward's dk/dv kernel needs the transpose: for each
 ``kv_tile``-wide key tile, the ``(group, segment)`` pairs that reach it (``rev_offsets`` /
 ``rev_entries``, a CSR index sorted by group so the dk/dv sums are deterministic). Everything is
-built with tensor ops on the masks' device in time proportional to the number of segments plus
-visited tiles, without host synchronisation (the DFlash builder's anchor range check is the one).
+built on the masks' device in time proportional to the number of segments plus visited tiles,
+without host synchronisation (the DFlash builder's anchor range check is the one): segments with
+tensor ops, the reverse index with two Triton kernels (``kernels_mask.py``) where the attention
+backend is Triton or the interpreter, else with tensor ops and a sort (``_reverse_index``, also the
+reference the kernels are tested against).
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from dflash_kernels.ops.attention import kernels_mask
+from dflash_kernels.runtime import Config, TritonKernel, alloc, backends
 
 __all__ = ["BlockSparseMask", "dflash_block_mask", "causal_block_mask", "from_flex_block_mask", "NO_DIAGONAL"]
 
@@ -142,21 +148,16 @@ def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len
     return offsets.to(torch.int32), n_full.to(torch.int32), entries
 
 
-_rev_count = _rev_fill = None  # TritonKernels, made on first use (mask.py imports no Triton otherwise)
+# The reverse index on the GPU (and under the interpreter): kernels_mask.py, two launches and a prefix sum.
+_rev_count = TritonKernel(kernels_mask._rev_count_kernel, name="mask_rev_count", configs=[Config(BP=256, num_warps=4)],
+                          interpret_config=Config(BP=64))
+_rev_fill = TritonKernel(kernels_mask._rev_fill_kernel, name="mask_rev_fill", configs=[Config(BP=256, num_warps=4)],
+                         interpret_config=Config(BP=64))
 
 
 def _reverse_index_triton(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len):
-    """``_reverse_index`` in two Triton launches and a prefix sum (kernels_mask.py); same result on
-    the listed entries (rows past ``offsets[-1]`` are unused and left unwritten)."""
-    global _rev_count, _rev_fill
-    from dflash_kernels.runtime import Config, TritonKernel, alloc
-    if _rev_count is None:
-        from dflash_kernels.ops.attention import kernels_mask
-        cfg = [Config(BP=256, num_warps=4)]
-        _rev_count = TritonKernel(kernels_mask._rev_count_kernel, name="mask_rev_count", configs=cfg,
-                                  interpret_config=Config(BP=64))
-        _rev_fill = TritonKernel(kernels_mask._rev_fill_kernel, name="mask_rev_fill", configs=cfg,
-                                 interpret_config=Config(BP=64))
+    """``_reverse_index`` by the Triton kernels; the same result on the listed entries (rows past
+    ``offsets[-1]`` are unused and left unwritten)."""
     dev = segments.device
     MB, NG, MS, _ = segments.shape
     NKV = -(-kv_len // kv_tile)
@@ -172,7 +173,6 @@ def _reverse_index_triton(segments, seg_count, q_block, q_len, kv_len, kv_tile, 
 
 
 def _use_triton_builder(device) -> bool:
-    from dflash_kernels.runtime import backends
     return backends.resolve("attention", device) in ("triton", "interpret")
 
 
