@@ -208,7 +208,7 @@ def test_one_group_per_program(monkeypatch):
     from dflash_kernels.runtime import Config
     kernels = (attention_module.attn_fwd_kernel, attention_module.attn_bwd_dq_kernel,
                attention_module.attn_bwd_dkdv_kernel)
-    for kern, cfg in zip(kernels, (Config(BN=16, GPB=1), Config(BN=16, GPB=1), Config(EPI=1))):
+    for kern, cfg in zip(kernels, (Config(BN=16, GPB=1), Config(BN=16, GPB=1), Config(EPI=1, SPLIT=1))):
         monkeypatch.setattr(kern, "interpret_config", cfg)
         kern.reset()
     try:
@@ -220,6 +220,26 @@ def test_one_group_per_program(monkeypatch):
     finally:
         for kern in kernels:
             kern.reset()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="on the GPU the tuner picks the configs")
+@pytest.mark.parametrize("epi", [1, 2])
+def test_dkdv_on_half_key_tiles(monkeypatch, epi):
+    """SPLIT=2: each dk/dv program covers half of an index tile and walks that tile's entries (a
+    partial last tile and a half past the end of the keys included)."""
+    from dflash_kernels.runtime import Config
+    kern = attention_module.attn_bwd_dkdv_kernel
+    monkeypatch.setattr(kern, "interpret_config", Config(EPI=epi, SPLIT=2))
+    kern.reset()
+    try:
+        anchors = torch.tensor([[0, 30, 31, 12, 20], [33, 7, 16, 17, 2]])
+        valid = torch.tensor([[True, True, True, False, True], [True] * 5])
+        for window in (None, 17):
+            mask = dflash_block_mask(anchors, 33, 4, window=window, valid=valid, kv_tile=32)
+            q, k, v, do = make_qkv(2, 20, 53, 4, 1, 64, torch.float32, seed=6)
+            check_against_reference(q, k, v, do, mask, torch.float32)
+    finally:
+        kern.reset()
 
 
 @needs_kernels

@@ -31,14 +31,17 @@ attn_fwd_kernel = TritonKernel(kernels._attn_fwd_kernel, name="block_sparse_attn
                                interpret_config=Config(BN=16, GPB=2))
 attn_bwd_dq_kernel = TritonKernel(kernels._attn_bwd_dq_kernel, name="block_sparse_attn_bwd_dq",
                                   configs=_row_configs, interpret_config=Config(BN=16, GPB=2))
-# BN of the dk/dv kernel is the mask's kv_tile (the reverse index is built for it); tuned: how many
-# row tiles (EPI) one step stacks, and the launch options.
+# The dk/dv kernel's key tile is the mask's kv_tile (the reverse index is built for it) or, with
+# SPLIT=2, half of it; tuned: that split, how many row tiles (EPI) one step stacks, launch options.
+# The SPLIT=2 candidates are the ones that do not spill registers at D=128 (kernels.py); a split
+# that leaves fewer than 16 keys does not compile and is no candidate.
 attn_bwd_dkdv_kernel = TritonKernel(
     kernels._attn_bwd_dkdv_kernel, name="block_sparse_attn_bwd_dkdv",
-    configs=[Config(EPI=1, num_warps=4, num_stages=2), Config(EPI=1, num_warps=4, num_stages=3),
-             Config(EPI=2, num_warps=4, num_stages=2), Config(EPI=2, num_warps=8, num_stages=2),
-             Config(EPI=2, num_warps=8, num_stages=3)],
-    interpret_config=Config(EPI=2))  # the stacked path, odd entry counts included
+    configs=[Config(EPI=1, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=1, SPLIT=1, num_warps=4, num_stages=3),
+             Config(EPI=2, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=2, SPLIT=1, num_warps=8, num_stages=2),
+             Config(EPI=2, SPLIT=1, num_warps=8, num_stages=3), Config(EPI=1, SPLIT=2, num_warps=8, num_stages=2),
+             Config(EPI=2, SPLIT=2, num_warps=8, num_stages=2), Config(EPI=1, SPLIT=2, num_warps=4, num_stages=2)],
+    interpret_config=Config(EPI=2, SPLIT=1))  # the stacked path, odd entry counts included
 attn_bwd_preprocess_kernel = TritonKernel(kernels._attn_bwd_preprocess_kernel, name="block_sparse_attn_bwd_pre",
                                           configs=[Config(BT=64, num_warps=4)], interpret_config=Config(BT=16))
 
@@ -110,9 +113,9 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
         bucket=_bucket(Tq, Tk), **meta)
     NKV = triton.cdiv(Tk, kv_tile)
     attn_bwd_dkdv_kernel(
-        (NKV, B * Hkv), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full, rev_entries, tiles,
-        Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, *strides, scale * LOG2E, scale,
-        bucket=_bucket(Tq, Tk), BN=kv_tile, **meta)
+        lambda m: (NKV * m["SPLIT"], B * Hkv), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full,
+        rev_entries, tiles, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, *strides, scale * LOG2E, scale,
+        bucket=_bucket(Tq, Tk), KVT=kv_tile, **meta)
     return dq, dk, dv
 
 
