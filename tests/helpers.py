@@ -22,8 +22,8 @@ def hopper_shared_memory(module: str, name: str, arg_types: dict, constexprs: di
     """Bytes of shared memory the ``@triton.jit`` function ``module.name`` needs when compiled for
     sm_90, one number per ``(num_warps, num_stages, extra constexprs)`` in ``configs``.
 
-    Compiled with Triton's own toolchain (ptxas ships with the triton wheel), so no GPU is needed;
-    in a subprocess without TRITON_INTERPRET, since interpreted kernels cannot be compiled.
+    Compiled by ``benchmarks/sm90_resources.py`` (Triton's own toolchain: no GPU needed), in a
+    subprocess without TRITON_INTERPRET, since interpreted kernels cannot be compiled.
     ``arg_types``: Triton type strings of runtime parameters ("*bf16", "*fp32", "fp32"); others "i32"."""
     import json
     import os
@@ -31,20 +31,13 @@ def hopper_shared_memory(module: str, name: str, arg_types: dict, constexprs: di
     import sys
 
     code = """
-import importlib, inspect, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import importlib, json, sys
+sys.path.insert(0, "benchmarks")
+from sm90_resources import compile_resources
 module, name, types, consts, configs = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
-out = []
-for nw, ns, extra in configs:
-    c = {**consts, **extra}
-    sig = {p: "constexpr" if p in c else types.get(p, "i32") for p in inspect.signature(fn.fn).parameters}
-    k = triton.compile(ASTSource(fn, sig, constexprs=c), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": nw, "num_stages": ns})
-    out.append(k.metadata.shared)
-print(json.dumps(out))
+print(json.dumps([compile_resources(fn, types, {**consts, **extra}, nw, ns, machine_code=False)["shared"]
+                  for nw, ns, extra in configs]))
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,4 +48,4 @@ print(json.dumps(out))
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB), as Triton reports the H200's limit
+H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB), as Triton reports the H200's limit (sm90_resources.py)

@@ -58,16 +58,19 @@ class _Kernels:
         self.wu = make(_gdn_fwd_wu_kernel, "gdn_fwd_wu",
                        [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)],
                        [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
+        # The 8-warp BV <= 32 candidates of the scans and the 8-warp output ones are those that do not
+        # spill registers on sm_90 builds (benchmarks/sm90_resources.py); the tuner times them all.
         self.state = make(_gdn_fwd_state_kernel, "gdn_fwd_state",
                           [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
-                           Config(BV=16, num_warps=4)],
+                           Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
                           [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.output = make(_gdn_fwd_output_kernel, "gdn_fwd_output",
-                           [Config(BV=64, num_warps=4), Config(BV=128, num_warps=8), Config(BV=32, num_warps=4)],
+                           [Config(BV=64, num_warps=4), Config(BV=128, num_warps=8), Config(BV=32, num_warps=4),
+                            Config(BV=64, num_warps=8), Config(BV=32, num_warps=8)],
                            [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_state = make(_gdn_bwd_state_kernel, "gdn_bwd_state",
                               [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
-                               Config(BV=16, num_warps=4)],
+                               Config(BV=16, num_warps=4), Config(BV=16, num_warps=8)],
                               [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_local = make(_gdn_bwd_local_kernel, "gdn_bwd_local",
                               [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=32, num_warps=4),

@@ -1,0 +1,130 @@
+"""Shared memory, registers and register spills of the library's tuning candidates on sm_90, without a GPU.
+
+    python benchmarks/sm90_resources.py [attention|gdn ...]
+
+Each candidate config of a kernel is compiled for the H200 (sm_90) with Triton's own toolchain
+(ptxas, cuobjdump ship with the triton wheel) at the shapes of ../shared/ANCHORS.md, and one line
+per config reports the shared memory the launch needs (the H200 allows 232,448 bytes per block),
+the registers per thread, the local-memory stack, and how many spill stores/loads (STL/LDL) the
+machine code holds. A candidate that spills in a hot loop is rarely the fastest; one that needs
+more shared memory than the chip has is skipped by the tuner. Device time is scarce: check here first.
+
+Run without TRITON_INTERPRET (interpreted kernels cannot be compiled); ``compile_resources`` is also
+what the tests use to check that candidates fit the chip.
+"""
+
+import argparse
+import inspect
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+H200_SHARED_MEMORY = 232448  # bytes per block, as Triton reports the H200's limit
+
+
+def compile_resources(fn, arg_types: dict, constexprs: dict, num_warps: int, num_stages: int,
+                      machine_code: bool = True) -> dict:
+    """Compile the ``@triton.jit`` function ``fn`` for sm_90: ``{"shared", "regs", "stack", "stl", "ldl"}``
+    (only ``shared`` when ``machine_code`` is False). ``arg_types``: Triton type strings of the runtime
+    parameters ("*bf16", "*fp32", "fp32", ...); any not listed is "i32"."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {p: "constexpr" if p in constexprs else arg_types.get(p, "i32") for p in inspect.signature(fn.fn).parameters}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    out = {"shared": compiled.metadata.shared}
+    if not machine_code:
+        return out
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    fields = dict(item.split(":") for item in usage.split() if ":" in item and item.split(":")[1].isdigit())
+    out.update(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)), stl=sass.count("STL"),
+               ldl=sass.count("LDL"))
+    return out
+
+
+def _types(params, fp32=(), i32=(), u8=(), scalars_fp32=()):
+    t = {}
+    for p in params:
+        if p in fp32:
+            t[p] = "*fp32"
+        elif p in i32:
+            t[p] = "*i32"
+        elif p in u8:
+            t[p] = "*u8"
+        elif p in scalars_fp32:
+            t[p] = "fp32"
+        elif p.endswith("_ptr") or p in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
+            t[p] = "*bf16"
+    return t
+
+
+def attention_cases():
+    """DFlash training mask: block 16, 4 query heads per kv head, D = 128, bf16; kv_tile 64."""
+    from dflash_kernels.ops.attention import attention as A
+    from dflash_kernels.ops.attention import kernels as K
+    base = dict(D=128, G=4, GH=4, BQ=16, BM=64, TW=1, HAS_TILES=False, DOT_PREC="tf32")
+    for name, kern, extra in [("attn_fwd", A.attn_fwd_kernel, {}), ("attn_bwd_dq", A.attn_bwd_dq_kernel, {}),
+                              ("attn_bwd_dkdv", A.attn_bwd_dkdv_kernel, {"KVT": 64})]:
+        params = inspect.signature(kern.fn.fn).parameters
+        types = _types(params, fp32=("lse", "delta"), i32=("segments", "seg_count", "rev_offsets", "rev_full",
+                                                             "rev_entries"), u8=("tiles",),
+                       scalars_fp32=("qk_scale", "sm_scale"))
+        for c in kern.configs:
+            yield name, kern.fn, types, {**base, **extra, **c.meta}, c
+
+
+def gdn_cases():
+    """Qwen3.5 GDN: Hk = 16, Hv = 48, K = V = 128, bf16, chunk 64."""
+    from dflash_kernels.ops.gated_delta_rule.chunk import _KERNELS
+    kn = _KERNELS[False]
+    fp32 = ("gcum_ptr", "A_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "g_ptr", "dq_ptr", "dk_ptr",
+            "dbeta_ptr", "dg_ptr")
+    i32 = ("cu_seqlens_ptr", "chunk_indices_ptr", "chunk_offsets_ptr")
+    common = dict(HK=16, HV=48, K=128, BT=64, BK=128, IS_VARLEN=False)
+    for name, kern, extra in [("gdn_fwd_solve", kn.solve, {}), ("gdn_fwd_wu", kn.wu, {"V": 128}),
+                              ("gdn_fwd_state", kn.state, {"V": 128, "HAS_H0": False}),
+                              ("gdn_fwd_output", kn.output, {"V": 128}),
+                              ("gdn_bwd_state", kn.bwd_state, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
+                              ("gdn_bwd_local", kn.bwd_local, {"V": 128})]:
+        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale",))
+        for c in kern.configs:
+            yield name, kern.fn, types, {**common, **extra, **c.meta}, c
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ops", nargs="*", default=["attention", "gdn"], help="attention and/or gdn")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("sm90_resources: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    cases = {"attention": attention_cases, "gdn": gdn_cases}
+    for op in args.ops:
+        if op not in cases:
+            raise SystemExit(f"sm90_resources: unknown op {op!r}; choose from {sorted(cases)}")
+        for name, fn, types, consts, config in cases[op]():
+            try:
+                r = compile_resources(fn, types, consts, config.num_warps, config.num_stages)
+            except Exception as e:  # noqa: BLE001 - a candidate that does not compile is a line, not a crash
+                print(f"{name:16s} {config}: does not compile ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+                continue
+            fits = "fits" if r["shared"] <= H200_SHARED_MEMORY else "TOO MUCH SHARED MEMORY"
+            print(f"{name:16s} {config}: shared {r['shared']:>6} B ({fits}), {r['regs']} regs, "
+                  f"stack {r['stack']} B, spill stores {r['stl']}, loads {r['ldl']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
