@@ -313,8 +313,8 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None):
         if R.dist.enabled:  # every process starts from rank 0's weights, whatever its RNG did
             buf = torch.cat([p.detach().reshape(-1) for p in R.replicas[0].parameters()]).to(R.dist.device)
             R.dist.broadcast_(buf)
-            for m in R.replicas:
-                torch.nn.utils.vector_to_parameters(buf.to(next(m.parameters()).device), m.parameters())
+            for m in R.replicas:  # a copy each: vector_to_parameters makes the parameters views of its input
+                torch.nn.utils.vector_to_parameters(buf.to(next(m.parameters()).device, copy=True), m.parameters())
         log(f"drafter: {R.params_n / 1e6:.2f}M trainable parameters, {cfg.num_layers} layers, {R.D} replicas "
             f"x {R.dist.world} processes")
     with log.stage("precompile"):
@@ -558,12 +558,16 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
         if R.dist.is_main:
             R.metrics.close()
     step = run_state["step"]
-    same = all(torch.equal(p0, p.to(p0.device)) for m in R.replicas[1:]
-               for p0, p in zip(R.replicas[0].parameters(), m.parameters()))
+    # Equal values in separate storage: replicas that shared parameters would compare equal trivially
+    # while each step updated them once per replica.
+    storages = [{(p.device, p.untyped_storage().data_ptr()) for p in m.parameters()} for m in R.replicas]
+    same = sum(map(len, storages)) == len(set().union(*storages)) and all(
+        torch.equal(p0, p.to(p0.device)) for m in R.replicas[1:]
+        for p0, p in zip(R.replicas[0].parameters(), m.parameters()))
     log(f"replicas: {R.D} in this process, identical: {same}; parameter digest {param_digest(R.replicas[0])} "
         f"(rank {R.dist.rank})")
     if not same:
-        raise RuntimeError("drafter replicas diverged; the gradient reduction is broken")
+        raise RuntimeError("drafter replicas diverged or share parameter storage; the gradient reduction is broken")
     if stop and step < R.total:
         log(f"stopped by {stop.reason} after step {step} of {R.total}; checkpoint at {R.ckpt_path}; "
             f"continue with --resume")
