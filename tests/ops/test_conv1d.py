@@ -252,3 +252,24 @@ def test_gpu_real_sizes(B, D, T, dtype):
         _check("final_states", outs_k[1], outs_r[1], dtype)
         for name, k, r in zip(["dx", "dweight", "dbias", "dinitial_states"], kern, ref):
             _check(name, k.grad, r.grad.to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_aligned_layouts_take_the_vectorized_variant(dtype):
+    """Layouts whose rows start 16-byte aligned with lengths that are multiples of 16 run the ALIGNED
+    kernels (vectorized accesses on the GPU) and match the reference; a view one element in is not
+    aligned (the op copies it to a dense layout first)."""
+    from dflash_kernels.ops.conv1d.conv1d import _aligned
+    cases = []
+    x, w, b, _, _ = _inputs(2, 24, 64, 4, dtype)  # channel-first, T a multiple of 16
+    cases.append((x, w, b, False, True))
+    x, w, b, _, _ = _inputs(2, 32, 40, 4, dtype, channel_last=True)  # channel-last, D a multiple of 16
+    cases.append((x, w, b, True, True))
+    full, w, b, _, _ = _inputs(2, 24, 65, 4, dtype)
+    cases.append((full[..., 1:], w, b, False, False))  # T = 64 but the rows start 2 bytes in
+    for x, w, b, channel_last, want in cases:
+        assert _aligned(channel_last, x) is want, (tuple(x.shape), x.stride())
+        outs_k, outs_r, kern, ref = _run_both(x, w, b, None, None, "silu", final=False)
+        _check("y", outs_k[0], outs_r[0], dtype)
+        for name, k, r in zip(["dx", "dweight", "dbias"], kern, ref):
+            _check(name, k.grad, r.grad.to(dtype), dtype)

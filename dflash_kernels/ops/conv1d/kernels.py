@@ -62,6 +62,16 @@ def _preact(x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, b, d, d_mask, t, t_seq, T
     return acc
 
 
+@triton.jit
+def _aligned(n):
+    """``n`` rebuilt as ``n // 16 * 16``: equal when the launcher checked it is a multiple of 16, and
+    then the compiler can prove it. Lengths and strides stay unspecialized (one kernel per bucket);
+    with ALIGNED the tile rows start 16-byte aligned and the masks are uniform over 16 elements, so
+    the accesses along the unit stride vectorize (sm_90 builds: 128-bit stores and aligned loads with
+    it, 16-bit scalar accesses only without)."""
+    return n // 16 * 16
+
+
 @triton.jit(do_not_specialize=["T", "D", "stride_xb", "stride_xd", "stride_xt", "stride_ib", "stride_id",
                                "stride_it", "stride_sb", "stride_fb", "stride_fd", "stride_ft"])
 def causal_conv1d_fwd_kernel(
@@ -69,11 +79,16 @@ def causal_conv1d_fwd_kernel(
     T, D, stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
     stride_fb, stride_fd, stride_ft,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr,
-    HAS_FINAL: tl.constexpr, ACT: tl.constexpr, CHANNEL_LAST: tl.constexpr,
+    HAS_FINAL: tl.constexpr, ACT: tl.constexpr, CHANNEL_LAST: tl.constexpr, ALIGNED: tl.constexpr,
     BD: tl.constexpr, BT: tl.constexpr,
 ):
     """y has x's strides. grid = (cdiv(T, BT), cdiv(D, BD), B)."""
     tl.static_assert(W >= 2 and W <= 4)
+    if ALIGNED:  # the launcher checked: lengths and strides along the tile multiples of 16 (_aligned)
+        if CHANNEL_LAST:
+            D, stride_xb, stride_xt = _aligned(D), _aligned(stride_xb), _aligned(stride_xt)
+        else:
+            T, stride_xb, stride_xd = _aligned(T), _aligned(stride_xb), _aligned(stride_xd)
     pid_t = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(2).to(tl.int64)
@@ -110,7 +125,7 @@ def causal_conv1d_bwd_kernel(
     T, D, NT, CHUNK, stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
     stride_fb, stride_fd, stride_ft, stride_yb, stride_yd, stride_yt,
     W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_INIT: tl.constexpr,
-    HAS_DFINAL: tl.constexpr, ACT: tl.constexpr, CHANNEL_LAST: tl.constexpr,
+    HAS_DFINAL: tl.constexpr, ACT: tl.constexpr, CHANNEL_LAST: tl.constexpr, ALIGNED: tl.constexpr,
     BD: tl.constexpr, BT: tl.constexpr,
 ):
     """dx (x's strides), partial dweight ``[B*NT, D, W]`` and dbias ``[B*NT, D]`` in fp32, one row per
@@ -121,6 +136,13 @@ def causal_conv1d_bwd_kernel(
     dx[t] = sum_s w[W-1-s] * g[t+s] with g = dy * act'(pre); pre is recomputed, never stored.
     """
     tl.static_assert(W >= 2 and W <= 4)
+    if ALIGNED:  # the launcher checked: lengths and strides along the tile multiples of 16 (_aligned)
+        if CHANNEL_LAST:
+            D, stride_xb, stride_xt = _aligned(D), _aligned(stride_xb), _aligned(stride_xt)
+            stride_yb, stride_yt = _aligned(stride_yb), _aligned(stride_yt)
+        else:
+            T, stride_xb, stride_xd = _aligned(T), _aligned(stride_xb), _aligned(stride_xd)
+            stride_yb, stride_yd = _aligned(stride_yb), _aligned(stride_yd)
     pid_c = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(2).to(tl.int64)
@@ -131,7 +153,7 @@ def causal_conv1d_bwd_kernel(
     # A fixed trip count (the last chunk's tiles past T are fully masked) keeps the loop bounds
     # plain ints, which the interpreter needs too.
     for offset in tl.range(0, CHUNK, BT):
-        t0 = pid_c * CHUNK + offset
+        t0 = tl.multiple_of(pid_c * CHUNK + offset, 16)  # CHUNK and BT are multiples of 16 (launcher)
         t = t0 + tl.arange(0, BT)
         t_seq = tl.zeros((BT,), dtype=tl.int32)
         if HAS_SEQ:
