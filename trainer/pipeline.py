@@ -51,7 +51,7 @@ from trainer.loss import expected_accept_length
 from trainer.supervise import (EXIT_FAILED, EXIT_OK, RunLog, StopRequest, Stopped, Supervisor, Watchdog, WorkerFailed,
                                fault_point, get_log, hard_exit, install_signal_handlers)
 from trainer.target import Target, load_target, resolve_mask_token_id
-from trainer.step import drafter_loss, target_features
+from trainer.step import attention_precompile_specs, drafter_loss, target_features
 from trainer.train import _fmt_eta, _peak_mem_gib, build_drafter, lr_lambda, resolve_paths
 
 __all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_digest", "cli"]
@@ -324,14 +324,7 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None):
 
 def _precompile(R: _Run):
     cfg, log = R.cfg, R.log
-    dc = R.replicas[0].config
-    specs = []
-    for t in sorted(set(dc.layer_types)):
-        shape = dict(B=cfg.batch_size, S=cfg.max_len, N=cfg.num_anchors, Hq=dc.num_heads, Hkv=dc.num_kv_heads,
-                     D=dc.head_dim, block_size=dc.block_size)
-        if t == "sliding_attention":
-            shape["window"] = dc.sliding_window
-        specs.append(("attention", shape, R.dtype))
+    specs = attention_precompile_specs(cfg, R.replicas[0].config, R.dtype)
     for d in dict.fromkeys(R.ddevs):
         rep = dk.precompile(specs, devices=[d])
         log(f"precompile: drafter attention on {d}: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")

@@ -8,7 +8,7 @@ from trainer.config import TrainConfig
 from trainer.loss import block_inputs, block_labels, dflash_loss
 from trainer.target import Target
 
-__all__ = ["forward_loss", "target_features", "drafter_loss"]
+__all__ = ["forward_loss", "target_features", "drafter_loss", "attention_precompile_specs"]
 
 
 def target_features(target: Target, batch: dict, dev) -> torch.Tensor:
@@ -46,3 +46,17 @@ def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainCon
 def forward_loss(batch: dict, target: Target, drafter, cfg: TrainConfig, dev, dtype):
     """One batch -> (loss, stats). The target runs without grad; only the drafter is differentiated."""
     return drafter_loss(batch, target_features(target, batch, dev), target, drafter, cfg, dev, dtype)
+
+
+def attention_precompile_specs(cfg: TrainConfig, drafter_config, dtype) -> list:
+    """``dflash_kernels.precompile`` specs of the drafter's attention: one per layer type (full and
+    sliding window) at the run's batch, length and anchor count."""
+    dc = drafter_config
+    specs = []
+    for t in sorted(set(dc.layer_types)):
+        shape = dict(B=cfg.batch_size, S=cfg.max_len, N=cfg.num_anchors, Hq=dc.num_heads, Hkv=dc.num_kv_heads,
+                     D=dc.head_dim, block_size=dc.block_size)
+        if t == "sliding_attention":
+            shape["window"] = dc.sliding_window
+        specs.append(("attention", shape, dtype))
+    return specs

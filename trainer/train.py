@@ -39,7 +39,7 @@ from trainer.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_checkpoint
 from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
 from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
 from trainer.loss import expected_accept_length  # noqa: E402
-from trainer.step import forward_loss  # noqa: E402
+from trainer.step import attention_precompile_specs, forward_loss  # noqa: E402
 from trainer.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from trainer.target import Target, load_target, resolve_mask_token_id  # noqa: E402
 
@@ -105,15 +105,7 @@ def _fmt_eta(sec: float) -> str:
 
 
 def _precompile(cfg: TrainConfig, drafter: DFlashDrafter, dev, dtype, log):
-    dc = drafter.config
-    specs = []
-    for t in sorted(set(dc.layer_types)):
-        shape = dict(B=cfg.batch_size, S=cfg.max_len, N=cfg.num_anchors, Hq=dc.num_heads, Hkv=dc.num_kv_heads,
-                     D=dc.head_dim, block_size=dc.block_size)
-        if t == "sliding_attention":
-            shape["window"] = dc.sliding_window
-        specs.append(("attention", shape, dtype))
-    rep = dk.precompile(specs, devices=[dev])
+    rep = dk.precompile(attention_precompile_specs(cfg, drafter.config, dtype), devices=[dev])
     log(f"precompile: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")
 
 
