@@ -11,17 +11,64 @@
 namespace dflash {
 namespace {
 
+// Block sums of a channel-first block's dweight and dbias in a fixed order (warp tree, then
+// thread 0 over the warps), written as partial row `part` (no atomics: deterministic).
+template <int W>
+__device__ __forceinline__ void store_block_partials(const DflashConvParams& p, float (&dw)[W], float db,
+                                                     int64_t part, int64_t d) {
+    constexpr int kWarps = kCfThreads / 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __shared__ float red[kWarps][W + 1];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) dw[i] += __shfl_xor_sync(kFullMask, dw[i], off);
+        db += __shfl_xor_sync(kFullMask, db, off);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int i = 0; i < W; ++i) red[warp][i] = dw[i];
+        red[warp][W] = db;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int i = 0; i <= W; ++i) {
+            float acc = 0.f;
+#pragma unroll
+            for (int v = 0; v < kWarps; ++v) acc += red[v][i];
+            if (i < W) p.dweight_part[(part * p.dim + d) * W + i] = acc;
+            else if (p.dbias_part != nullptr) p.dbias_part[part * p.dim + d] = acc;
+        }
+    }
+}
+
+// dx at one time from g at that time and the W - 1 after it: sum_s w[W-1-s] g[t+s], plus the
+// final-state gradient where t is one of the last W - 1 times.
+template <int W>
+__device__ __forceinline__ float dx_at(const DflashConvParams& p, const float (&w)[W], const float* g,
+                                       int64_t b, int64_t d, int64_t t) {
+    float acc = 0.f;
+#pragma unroll
+    for (int s = 0; s < W; ++s) acc += w[W - 1 - s] * g[s];
+    if (p.dfinal != nullptr) {
+        const int64_t j = t - (p.seqlen - (W - 1));
+        if (j >= 0 && j < W - 1)
+            acc += load_any(p.dfinal, p.dfin_dtype, b * p.dfin_sb + d * p.dfin_sd + j * p.dfin_st);
+    }
+    return acc;
+}
+
 template <typename T, int W>
 __global__ void __launch_bounds__(kCfThreads)
 bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const bool vec) {
     constexpr int N = 16 / sizeof(T);
     constexpr int64_t kTile = cf_tile<T>();
-    constexpr int kWarps = kCfThreads / 32;
     const int64_t row = blockIdx.x / n_tiles;
     const int64_t tile = blockIdx.x - row * n_tiles;
     const int64_t b = row / p.dim, d = row - (row / p.dim) * p.dim;
     const int64_t T_ = p.seqlen;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     const bool has_seq = p.seq_idx != nullptr;
 
     float w[W];
@@ -135,31 +182,96 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
 
     if (p.init != nullptr && p.dinit != nullptr && tile == 0 && threadIdx.x == 0) write_dinit<T, W>(p, b, d);
 
-    // Block sums of dweight and dbias in a fixed order: warp tree, then warp 0 over the warps.
-    __shared__ float red[kWarps][W + 1];
+    store_block_partials<W>(p, dw, db, b * n_tiles + tile, d);
+}
+
+// Channel-first fast path: 16-byte accesses legal and no seq_idx. Per word of N times a thread
+// loads x and dy (DRAM) and, from its neighbours' words (L1 hits), the W - 1 inputs before and the
+// W - 1 inputs and output gradients after; it recomputes g at its N times and the W - 1 after, so
+// there are no shuffles and no lane special-cases. All loads are issued before any arithmetic.
+template <typename T, int W>
+__global__ void __launch_bounds__(kCfThreads, 5)
+bwd_channel_first_fast_kernel(const DflashConvParams p) {
+    constexpr int N = 16 / sizeof(T);
+    constexpr int C = kCfChunks;
+    constexpr int64_t kTile = cf_tile<T>();
+    const int64_t tile = blockIdx.y, n_tiles = gridDim.y;
+    const int64_t b = blockIdx.x / unsigned(p.dim), d = blockIdx.x - unsigned(b) * unsigned(p.dim);
+    const int64_t T_ = p.seqlen;
+    const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + d * p.x_sd;
+    const T* dyr = static_cast<const T*>(p.dy) + b * p.dy_sb + d * p.dy_sd;
+    T* dxr = static_cast<T*>(p.dx) + b * p.dx_sb + d * p.dx_sd;
+
+    uint4 xw[C], gw[C], xp[C], xn[C], gn[C];
+    int64_t t0[C];
+    int nn[C], nx[C];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-#pragma unroll
-        for (int i = 0; i < W; ++i) dw[i] += __shfl_xor_sync(kFullMask, dw[i], off);
-        db += __shfl_xor_sync(kFullMask, db, off);
+    for (int c = 0; c < C; ++c) {
+        t0[c] = tile * kTile + (int64_t(c) * kCfThreads + threadIdx.x) * N;
+        const int64_t left = T_ - t0[c];
+        nn[c] = left <= 0 ? 0 : (left >= N ? N : int(left));
+        nx[c] = left - N <= 0 ? 0 : (left - N >= N ? N : int(left - N));
+        xw[c] = load16<T>(xr + t0[c], nn[c]);
+        gw[c] = load16<T>(dyr + t0[c], nn[c]);
     }
-    if (lane == 0) {
 #pragma unroll
-        for (int i = 0; i < W; ++i) red[warp][i] = dw[i];
-        red[warp][W] = db;
+    for (int c = 0; c < C; ++c) {
+        xp[c] = load16<T>(xr + t0[c] - N, t0[c] >= N && nn[c] > 0 ? N : 0);
+        xn[c] = load16<T>(xr + t0[c] + N, nx[c]);
+        gn[c] = load16<T>(dyr + t0[c] + N, nx[c]);
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int64_t part = b * n_tiles + tile;
+    float w[W];
 #pragma unroll
-        for (int i = 0; i <= W; ++i) {
-            float acc = 0.f;
+    for (int i = 0; i < W; ++i) w[i] = weight_at(p, d, i);
+    const float bias = bias_at(p, d);
+
+    float dw[W], db = 0.f;
 #pragma unroll
-            for (int v = 0; v < kWarps; ++v) acc += red[v][i];
-            if (i < W) p.dweight_part[(part * p.dim + d) * W + i] = acc;
-            else if (p.dbias_part != nullptr) p.dbias_part[part * p.dim + d] = acc;
+    for (int i = 0; i < W; ++i) dw[i] = 0.f;
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        if (nn[c] == 0) continue;
+        // win[j]: input at t0 - (W - 1) + j, for j < N + 2 (W - 1); gg[j]: g at t0 + j, j < N + W - 1.
+        float win[N + 2 * (W - 1)], gg[N + W - 1];
+        {
+            float xv[N], tmp[N];
+            unpack16<T>(xp[c], tmp);
+#pragma unroll
+            for (int j = 0; j < W - 1; ++j)  // the row's first word: initial state or zeros
+                win[j] = t0[c] >= N ? tmp[N - (W - 1) + j] : src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+            unpack16<T>(xw[c], xv);
+#pragma unroll
+            for (int k = 0; k < N; ++k) win[W - 1 + k] = xv[k];
+            unpack16<T>(xn[c], tmp);
+#pragma unroll
+            for (int j = 0; j < W - 1; ++j) win[W - 1 + N + j] = tmp[j];
+            unpack16<T>(gw[c], xv);
+            unpack16<T>(gn[c], tmp);
+#pragma unroll
+            for (int k = 0; k < N + W - 1; ++k) gg[k] = k < N ? xv[k] : tmp[k - N];
         }
+        if (p.silu) {
+#pragma unroll
+            for (int k = 0; k < N + W - 1; ++k) {
+                float pre = bias;
+#pragma unroll
+                for (int i = 0; i < W; ++i) pre += w[i] * win[k + i];
+                gg[k] *= silu_grad(pre);  // past T, dy was loaded as zero
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            db += gg[k];
+#pragma unroll
+            for (int i = 0; i < W; ++i) dw[i] += gg[k] * win[k + i];
+        }
+        float dx[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) dx[k] = dx_at<W>(p, w, gg + k, b, d, t0[c] + k);
+        store_vec<T, 16>(dxr + t0[c], 1, nn[c], nn[c] == N, dx);
     }
+    if (p.init != nullptr && p.dinit != nullptr && tile == 0 && threadIdx.x == 0) write_dinit<T, W>(p, b, d);
+    store_block_partials<W>(p, dw, db, b * n_tiles + tile, d);
 }
 
 // Channel-last: 8-byte accesses (4 bf16 channels per thread) keep the register count, and with it
@@ -353,6 +465,12 @@ cudaError_t launch_bwd(const DflashConvParams& p, cudaStream_t stream) {
                          vec_ok(p.dy, p.dy_sb, p.dy_sd, p.dy_st, false, N, 16) &&
                          vec_ok(p.dx, p.dx_sb, p.dx_sd, p.dx_st, false, N, 16);
         const int64_t n_tiles = ceil_div(p.seqlen, cf_tile<T>());
+        if (vec && p.seq_idx == nullptr) {  // rows on x (up to 2^31 - 1), tiles of a row on y
+            if (p.batch * p.dim > 0x7fffffffLL || n_tiles > 65535) return cudaErrorInvalidValue;
+            const dim3 grid(unsigned(p.batch * p.dim), unsigned(n_tiles));
+            bwd_channel_first_fast_kernel<T, W><<<grid, kCfThreads, 0, stream>>>(p);
+            return cudaGetLastError();
+        }
         const int64_t blocks = p.batch * p.dim * n_tiles;
         if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
         bwd_channel_first_kernel<T, W><<<unsigned(blocks), kCfThreads, 0, stream>>>(p, n_tiles, vec);

@@ -90,6 +90,27 @@ __device__ __forceinline__ void store_vec(T* base, int64_t stride, int n, bool v
     }
 }
 
+// A 16-byte word of N = 16 / sizeof(T) elements, kept packed (4 registers) until used.
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& word, float (&out)[16 / sizeof(T)]) {
+    constexpr int N = 16 / sizeof(T);
+    alignas(16) T tmp[N];
+    *reinterpret_cast<uint4*>(tmp) = word;
+#pragma unroll
+    for (int k = 0; k < N; ++k) out[k] = to_float(tmp[k]);
+}
+
+// Loads the word at base (16-byte aligned) when n == N; else its first n elements, zeros after.
+template <typename T>
+__device__ __forceinline__ uint4 load16(const T* base, int n) {
+    constexpr int N = 16 / sizeof(T);
+    if (n == N) return *reinterpret_cast<const uint4*>(base);
+    alignas(16) T tmp[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) tmp[k] = k < n ? base[k] : from_float<T>(0.f);
+    return *reinterpret_cast<const uint4*>(tmp);
+}
+
 // ---------------------------------------------------------------- scalar accessors (edges only)
 // Input of channel (b, d) at source time s, before any seq_idx masking: x for 0 <= s < T, the
 // initial state for 1 - W <= s < 0, zero elsewhere.

@@ -89,6 +89,64 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
     if (p.final_states != nullptr && tile == n_tiles - 1 && threadIdx.x == 0) write_final<T, W>(p, b, d);
 }
 
+// Channel-first fast path: 16-byte accesses legal (vec) and no seq_idx. Each thread owns
+// kCfFastChunks words of N times and issues all of their loads, plus the word just before each
+// (its W - 1 halo inputs; the neighbour's word, so an L1 hit, not DRAM traffic), before any
+// arithmetic: no shuffles, no lane special-cases, 4 words of DRAM reads in flight per thread.
+template <typename T, int W>
+__global__ void __launch_bounds__(kCfThreads, 6)
+fwd_channel_first_fast_kernel(const DflashConvParams p) {
+    constexpr int N = 16 / sizeof(T);
+    constexpr int C = kCfFastChunks;
+    constexpr int64_t kTile = cf_fast_tile<T>();
+    const int64_t tile = blockIdx.y, n_tiles = gridDim.y;
+    const int64_t b = blockIdx.x / unsigned(p.dim), d = blockIdx.x - unsigned(b) * unsigned(p.dim);
+    const int64_t T_ = p.seqlen;
+    const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + d * p.x_sd;
+    T* yr = static_cast<T*>(p.y) + b * p.y_sb + d * p.y_sd;
+
+    // Words stay packed until used; the halo word before each is the neighbour's (an L1 hit).
+    uint4 xw[C], hw[C];
+    int64_t t0[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        t0[c] = tile * kTile + (int64_t(c) * kCfThreads + threadIdx.x) * N;
+        const int64_t left = T_ - t0[c];
+        xw[c] = load16<T>(xr + t0[c], left <= 0 ? 0 : (left >= N ? N : int(left)));
+    }
+#pragma unroll
+    for (int c = 0; c < C; ++c) hw[c] = load16<T>(xr + t0[c] - N, t0[c] >= N && t0[c] < T_ ? N : 0);
+    float w[W];
+#pragma unroll
+    for (int i = 0; i < W; ++i) w[i] = weight_at(p, d, i);
+    const float bias = bias_at(p, d);
+
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+        if (t0[c] >= T_) continue;
+        float xv[N], prev[N], halo[W - 1];
+        unpack16<T>(xw[c], xv);
+        unpack16<T>(hw[c], prev);
+#pragma unroll
+        for (int j = 0; j < W - 1; ++j)  // the row's first word: initial state or zeros
+            halo[j] = t0[c] >= N ? prev[N - (W - 1) + j] : src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+        float out[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            float acc = bias;
+#pragma unroll
+            for (int i = 0; i < W; ++i) {
+                const int j = k + i;  // window index: halo for j < W - 1, then this thread's inputs
+                acc += w[i] * (j < W - 1 ? halo[j] : xv[j - (W - 1)]);
+            }
+            out[k] = p.silu ? acc * sigmoid(acc) : acc;
+        }
+        const int64_t left = T_ - t0[c];
+        store_vec<T, 16>(yr + t0[c], 1, left >= N ? N : int(left), left >= N, out);
+    }
+    if (p.final_states != nullptr && tile == n_tiles - 1 && threadIdx.x == 0) write_final<T, W>(p, b, d);
+}
+
 template <typename T, int W>
 __global__ void __launch_bounds__(kClLanes * kClRows)
 fwd_channel_last_kernel(const DflashConvParams p, const int64_t L, const bool vec) {
@@ -187,6 +245,13 @@ cudaError_t launch_fwd(const DflashConvParams& p, cudaStream_t stream) {
     const bool vec = vec_ok(p.x, p.x_sb, p.x_sd, p.x_st, cl, N, 16) &&
                      vec_ok(p.y, p.y_sb, p.y_sd, p.y_st, cl, N, 16);
     if (!cl) {
+        if (vec && p.seq_idx == nullptr) {  // rows on x (up to 2^31 - 1), tiles of a row on y
+            const int64_t n_tiles = ceil_div(p.seqlen, cf_fast_tile<T>());
+            if (p.batch * p.dim > 0x7fffffffLL || n_tiles > 65535) return cudaErrorInvalidValue;
+            const dim3 grid(unsigned(p.batch * p.dim), unsigned(n_tiles));
+            fwd_channel_first_fast_kernel<T, W><<<grid, kCfThreads, 0, stream>>>(p);
+            return cudaGetLastError();
+        }
         const int64_t n_tiles = ceil_div(p.seqlen, cf_tile<T>());
         const int64_t blocks = p.batch * p.dim * n_tiles;
         if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;

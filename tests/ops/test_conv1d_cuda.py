@@ -129,6 +129,34 @@ def test_odd_strides(cuda_backend):
 
 @pytest.mark.gpu
 @needs_ext
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [37, 4099, 8192], ids=lambda t: f"T{t}")
+def test_vector_path_row_tails(cuda_backend, T, dtype):
+    # Rows of a wider buffer: 16-byte aligned row starts (the vectorized channel-first kernels) whose
+    # length is not a multiple of the vector (T = 37, 4099): the word at the end of each row is partial.
+    # Forward, every gradient and the states, against the fp32 reference.
+    Tpad = (T + 15) // 16 * 16 + 16
+    base_x = torch.randn(2, 24, Tpad, device=device(), dtype=dtype)
+    weight = (torch.randn(24, 4, device=device(), dtype=dtype) / 4).requires_grad_()
+    bias = torch.randn(24, device=device(), dtype=dtype).requires_grad_()
+    init = torch.randn(2, 24, 3, device=device(), dtype=dtype).requires_grad_()
+    leaf = base_x.clone().requires_grad_()
+    y, fin = dk.causal_conv1d(leaf[:, :, :T], weight, bias, activation="silu", initial_states=init,
+                              return_final_states=True)
+    refs = [t.detach().float().requires_grad_() for t in (base_x, weight, bias, init)]
+    y_r, fin_r = causal_conv1d_ref(refs[0][:, :, :T], refs[1], refs[2], activation="silu", initial_states=refs[3],
+                                   return_final_states=True)
+    dy, dfin = torch.randn_like(y), torch.randn_like(fin)
+    torch.autograd.backward((y, fin), (dy, dfin))
+    torch.autograd.backward((y_r, fin_r), (dy.float(), dfin.float()))
+    base._check("y", y, y_r.to(dtype), dtype)
+    base._check("final_states", fin, fin_r.to(dtype), dtype)
+    for name, k, r in zip(["dx", "dweight", "dbias", "dinitial_states"], (leaf, weight, bias, init), refs):
+        base._check(name, k.grad, r.grad.to(dtype), dtype)
+
+
+@pytest.mark.gpu
+@needs_ext
 def test_backward_is_deterministic(cuda_backend):
     x, weight, b, seq, init = base._inputs(2, 256, 4099, 4, torch.bfloat16, init=True, seq=True)
     grads = []
