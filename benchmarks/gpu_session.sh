@@ -3,6 +3,7 @@
 #   ext    build the CUDA extension in the background (setup.py build_ext --inplace)
 #   tests  the test suite on CUDA (pytest-xdist, a time limit per test)      } these two run
 #   train  a short trainer run on the embedded default, then trainer.eval   } side by side
+#   pipe   the threaded pipeline on the embedded default, target and drafter threads sharing GPU 0 }
 #   warm   attention and gdn benchmarks with DFLASH_KERNELS_TUNE=compile    } (compiles every tuning
 #          candidate into Triton's disk cache, so the timed runs below only time)
 #   conv   benchmarks/ops.py conv: ours on triton, ours on cuda (the extension), then each peer in a
@@ -10,12 +11,12 @@
 #   attention, gdn, overhead   benchmarks/ops.py <op>, one process each
 #   tok_s  the main job
 # Usage: bash benchmarks/gpu_session.sh [comma list of stages]   (default: all of the above)
-# Knobs: PYTEST_ARGS (default "tests"), PYTEST_WORKERS, T_TEST (per test), TRAIN_ARGS, TOKS_ARGS
+# Knobs: PYTEST_ARGS (default "tests"), PYTEST_WORKERS, T_TEST (per test), TRAIN_ARGS, PIPE_ARGS, TOKS_ARGS
 # (default "--preset embedded"), T_<STAGE> seconds. The embedded default is read from
 # $XDG_CACHE_HOME/dflash_trainer when a prebuilt one travels in .cache/. Logs and rows go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session_out}
-STAGES=",${1:-ext,tests,train,warm,conv,attention,gdn,overhead,tok_s},"
+STAGES=",${1:-ext,tests,train,pipe,warm,conv,attention,gdn,overhead,tok_s},"
 has() { [[ $STAGES == *,$1,* ]]; }
 mkdir -p "$OUT" /tmp/peers
 T0=$(date +%s)
@@ -46,6 +47,15 @@ if has train; then
     echo "eval rc=$?" >>"$OUT/eval.log" ) &
   TRAIN_PID=$!
 fi
+if has pipe; then
+  stamp "pipe (background): ${PIPE_ARGS:-}"
+  ( export DFLASH_KERNELS_TUNE=0
+    timeout "${T_PIPE:-170}" python3 -m trainer.train --target-gpus 0 --drafter-gpus 0 --out-dir /tmp/dk_pipe \
+      ${PIPE_ARGS:-} >"$OUT/pipe.log" 2>&1
+    echo "pipe rc=$?" >>"$OUT/pipe.log"
+    cp /tmp/dk_pipe/metrics.jsonl "$OUT/pipe_metrics.jsonl" 2>/dev/null ) &
+  PIPE_PID=$!
+fi
 if has warm; then
   stamp "warm (background): compile-only attention, gdn"
   ( DFLASH_KERNELS_TUNE=compile timeout "${T_WARM:-170}" python3 benchmarks/ops.py attention --quick --no-record \
@@ -64,6 +74,7 @@ if has tests; then
   r=${PIPESTATUS[0]}; stamp "tests rc=$r"; [ "$r" = 0 ] || rc=$r
 fi
 if has train; then wait "$TRAIN_PID"; stamp "train+eval done"; tail -4 "$OUT/train.log"; tail -8 "$OUT/eval.log"; fi
+if has pipe; then wait "$PIPE_PID"; stamp "pipe done"; grep -v "^\[" "$OUT/pipe.log" | tail -6; fi
 if has ext; then wait "$EXT_PID"; stamp "ext build rc=$(cat "$OUT/ext_build.rc")"; fi
 if has warm; then wait "$WARM1" "$WARM2"; stamp "warm done: $(tail -1 "$OUT/warm_attention.log") $(tail -1 "$OUT/warm_gdn.log")"; fi
 ops() {  # ops.py in its own process, rows printed as a table at the end

@@ -74,7 +74,9 @@ def conv():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    import os
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here, os.path.dirname(here)]
     import dflash_kernels
     for name in sys.argv[1:] or ["attention", "gdn", "conv"]:
         try:

@@ -53,8 +53,9 @@ class _Kernels:
                                 interpret_config=interpret)
 
         one = [Config(num_warps=4, num_stages=1)]
+        # The solve's substitution holds one [4, 16] row per step: one element per thread at 2 warps.
         self.solve = make(_gdn_fwd_solve_kernel, "gdn_fwd_solve",
-                          [Config(num_warps=4), Config(num_warps=2), Config(num_warps=8)], one, Config())
+                          [Config(num_warps=2), Config(num_warps=4)], one, Config())
         self.wu = make(_gdn_fwd_wu_kernel, "gdn_fwd_wu",
                        [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)],
                        [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])

@@ -55,129 +55,146 @@ def sequence_bounds(i_n, T, cu_seqlens_ptr, chunk_offsets_ptr, BT: tl.constexpr,
 
 
 @triton.jit
-def unit_lower_inverse(L, BT: tl.constexpr):
-    """(I + L)^-1 for a strictly lower triangular [BT, BT] fp32 tile (BT = 16 here), by forward substitution.
-
-    Row i of the inverse is e_i - sum_{j<i} L_ij A_j; rows are produced one after another. A series
-    or repeated squaring would be shorter but its intermediate powers of L overflow for aligned keys.
-    """
-    o_i = tl.arange(0, BT)
-    A = tl.zeros([BT, BT], dtype=tl.float32)
-    for i in range(BT):
-        l_row = tl.sum(tl.where(o_i[:, None] == i, L, 0.0), 0)
-        row = -tl.sum(l_row[:, None] * A, 0)
-        row = tl.where(o_i == i, 1.0, row)
-        A = tl.where(o_i[:, None] == i, row[None, :], A)
-    return A
+def _mm(a, b):
+    # The solve's products stay in full fp32: tf32 would cost A about three digits.
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _sub_rows(ptr, rows, mask, HV: tl.constexpr, i_h):
-    return tl.load(ptr + rows * HV + i_h, mask=mask, other=0).to(tl.float32)
+def _tile(A_ptr, rows, m_rows, col0, SA: tl.constexpr, N: tl.constexpr):
+    """Columns [col0, col0 + N) of the chunk's rows ``rows`` of A (row stride SA); invalid rows read 0."""
+    return tl.load(A_ptr + rows[:, None] * SA + col0 + tl.arange(0, N)[None, :], mask=m_rows[:, None], other=0)
 
 
 @triton.jit
-def _sub_keys(k_ptr, rows, mask, i_hk, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    o_k = tl.arange(0, BK)
-    return tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :],
-                   mask=mask[:, None] & (o_k < K)[None, :], other=0)
+def _put(A_ptr, rows, m_rows, col0, x, SA: tl.constexpr, N: tl.constexpr):
+    tl.store(A_ptr + rows[:, None] * SA + col0 + tl.arange(0, N)[None, :], x, mask=m_rows[:, None])
 
 
 @triton.jit
-def _l_block(kb_i, k_j, G_i, G_j, m_i, BC: tl.constexpr, DIAG: tl.constexpr):
-    """Block (i, j) of L = strictly_lower(diag(beta) K K^T * Gamma); kb_i = beta_i k_i."""
-    b_l = tl.dot(kb_i, tl.trans(k_j)) * tl.exp(G_i[:, None] - G_j[None, :])
+def _kk(k_ptr, r_i, m_i, r_j, m_j, i_hk, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, N: tl.constexpr):
+    """K_i K_j^T (fp32) for the key rows ``r_i`` and ``r_j`` (N each), over K in steps of at most 32
+    (fewer registers on sm_90 than 64 or all of K at once)."""
+    KC: tl.constexpr = min(BK, 32)
+    acc = tl.zeros([N, N], dtype=tl.float32)
+    for i_k in tl.static_range(0, BK, KC):
+        o_k = i_k + tl.arange(0, KC)
+        p_k = k_ptr + i_hk * K + o_k[None, :]
+        k_i = tl.load(p_k + r_i[:, None] * (HK * K), mask=m_i[:, None] & (o_k < K)[None, :], other=0)
+        k_j = tl.load(p_k + r_j[:, None] * (HK * K), mask=m_j[:, None] & (o_k < K)[None, :], other=0)
+        acc = tl.dot(k_i, tl.trans(k_j), acc)
+    return acc
+
+
+@triton.jit
+def _l_tile(kk, beta_i, G_i, G_j, m_i, DIAG: tl.constexpr):
+    """A tile of L = strictly_lower(diag(beta) K K^T * Gamma) from its tile ``kk`` of K K^T (fp32)."""
     keep = m_i[:, None]
     if DIAG:
-        o = tl.arange(0, BC)
+        o = tl.arange(0, kk.shape[0])
         keep = keep & (o[:, None] > o[None, :])
-    return tl.where(keep, b_l, 0.0)
-
-
-@triton.jit
-def _mm(a, b):
-    # The solve's 16x16 products stay in full fp32: tf32 would cost A about three digits.
-    return tl.dot(a, b, input_precision="ieee")
+    # G in log2 units; exp only where kept: above the diagonal G_i - G_j > 0 and could overflow
+    gamma = tl.exp2(tl.where(keep, G_i[:, None] - G_j[None, :], 0.0))
+    return tl.where(keep, kk * (beta_i[:, None] * gamma), 0.0)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_ptr, chunk_indices_ptr, T,
                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                           BK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """G (cumulative gate) and A = (I + L)^-1 of one chunk, in four 16-row blocks.
+    """G (cumulative gate) and A = (I + L)^-1 of one chunk.
 
-    Each diagonal 16x16 block is inverted by forward substitution; the blocks below the diagonal
-    follow from A_ij = -A_ii sum_{j<=m<i} L_im A_mj, a handful of 16x16 products.
+    L is built as three 32x32 tiles (the two diagonal halves and the lower-left E) and written to A's
+    place, which then serves as scratch: the steps below read rows and blocks of L back and overwrite
+    them with A's blocks (a barrier between a write and the reads of other threads). Everything is a
+    substitution or a product of inverses: a series or repeated squaring would be shorter but its
+    powers of L overflow for aligned keys.
+
+    1. The four diagonal 16x16 blocks, inverted together by forward substitution: step i produces row i
+       of all four (a [4, 16] tensor, one element per thread at 2 warps) as e_i - sum_{j<i} L_ij A_j,
+       with each L_ij a broadcast load. No reductions or layout changes, and the dependent chain per
+       step is one FMA: 16 short steps instead of four sequential 16-step loops.
+    2. A10 = -A11 L10 A00 and A32 = -A33 L32 A22 (fp32 16x16 products).
+    3. The lower-left 32x32 block, -Ahi E Alo, as P = E Alo and then -Ahi P, each split so that the zero
+       upper-right 16x16 blocks of Alo and Ahi are skipped (48K instead of 64K multiply-adds).
     """
     tl.static_assert(BT == 64)
-    BC: tl.constexpr = 16
+    BC: tl.constexpr = 16  # diagonal block
+    H: tl.constexpr = 32  # half chunk
+    SA: tl.constexpr = HV * BT  # row stride of A
+    LOG2E: tl.constexpr = 1.4426950408889634
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
-    o_s = tl.arange(0, BC)
     t0 = i_t * BT
-    m0, m1, m2, m3 = (t0 + o_s) < seqlen, (t0 + BC + o_s) < seqlen, (t0 + 2 * BC + o_s) < seqlen, \
-        (t0 + 3 * BC + o_s) < seqlen
-    r0 = bos + t0 + o_s
-    r1, r2, r3 = r0 + BC, r0 + 2 * BC, r0 + 3 * BC
+    A_ptr += i_h * BT
+
+    o_h = tl.arange(0, H)
+    m_lo, m_hi = t0 + o_h < seqlen, t0 + H + o_h < seqlen
+    r_lo = bos + t0 + o_h
+    r_hi = r_lo + H
     # Padded rows load g = 0, so their G repeats the last valid one and every exp(G_i - G_j) <= 1.
-    g0, g1, g2, g3 = (_sub_rows(g_ptr, r0, m0, HV, i_h), _sub_rows(g_ptr, r1, m1, HV, i_h),
-                      _sub_rows(g_ptr, r2, m2, HV, i_h), _sub_rows(g_ptr, r3, m3, HV, i_h))
-    G0 = tl.cumsum(g0, 0)
-    G1 = tl.cumsum(g1, 0) + tl.sum(g0, 0)
-    G2 = tl.cumsum(g2, 0) + tl.sum(g0, 0) + tl.sum(g1, 0)
-    G3 = tl.cumsum(g3, 0) + tl.sum(g0, 0) + tl.sum(g1, 0) + tl.sum(g2, 0)
-    tl.store(gcum_ptr + r0 * HV + i_h, G0, mask=m0)
-    tl.store(gcum_ptr + r1 * HV + i_h, G1, mask=m1)
-    tl.store(gcum_ptr + r2 * HV + i_h, G2, mask=m2)
-    tl.store(gcum_ptr + r3 * HV + i_h, G3, mask=m3)
+    g_lo = tl.load(g_ptr + r_lo * HV + i_h, mask=m_lo, other=0).to(tl.float32)
+    g_hi = tl.load(g_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32)
+    G_lo = tl.cumsum(g_lo, 0)
+    G_hi = tl.cumsum(g_hi, 0) + tl.sum(g_lo, 0)
+    tl.store(gcum_ptr + r_lo * HV + i_h, G_lo, mask=m_lo)
+    tl.store(gcum_ptr + r_hi * HV + i_h, G_hi, mask=m_hi)
+    beta_lo = tl.load(beta_ptr + r_lo * HV + i_h, mask=m_lo, other=0).to(tl.float32)
+    beta_hi = tl.load(beta_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32)
 
-    k0, k1 = _sub_keys(k_ptr, r0, m0, i_hk, HK, K, BK), _sub_keys(k_ptr, r1, m1, i_hk, HK, K, BK)
-    k2, k3 = _sub_keys(k_ptr, r2, m2, i_hk, HK, K, BK), _sub_keys(k_ptr, r3, m3, i_hk, HK, K, BK)
-    dt = k0.dtype
-    kb0 = (k0 * _sub_rows(beta_ptr, r0, m0, HV, i_h)[:, None]).to(dt)
-    kb1 = (k1 * _sub_rows(beta_ptr, r1, m1, HV, i_h)[:, None]).to(dt)
-    kb2 = (k2 * _sub_rows(beta_ptr, r2, m2, HV, i_h)[:, None]).to(dt)
-    kb3 = (k3 * _sub_rows(beta_ptr, r3, m3, HV, i_h)[:, None]).to(dt)
+    G2_lo, G2_hi = G_lo * LOG2E, G_hi * LOG2E
+    L_lo = _l_tile(_kk(k_ptr, r_lo, m_lo, r_lo, m_lo, i_hk, HK, K, BK, H), beta_lo, G2_lo, G2_lo, m_lo, True)
+    _put(A_ptr, r_lo, m_lo, 0, L_lo, SA, H)
+    _put(A_ptr, r_lo, m_lo, H, tl.zeros([H, H], dtype=tl.float32), SA, H)
+    L_hi = _l_tile(_kk(k_ptr, r_hi, m_hi, r_hi, m_hi, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_hi, m_hi, True)
+    _put(A_ptr, r_hi, m_hi, H, L_hi, SA, H)
+    E = _l_tile(_kk(k_ptr, r_hi, m_hi, r_lo, m_lo, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_lo, m_hi, False)
+    _put(A_ptr, r_hi, m_hi, 0, E, SA, H)
+    tl.debug_barrier()
 
-    A00 = unit_lower_inverse(_l_block(kb0, k0, G0, G0, m0, BC, True), BC)
-    A11 = unit_lower_inverse(_l_block(kb1, k1, G1, G1, m1, BC, True), BC)
-    A22 = unit_lower_inverse(_l_block(kb2, k2, G2, G2, m2, BC, True), BC)
-    A33 = unit_lower_inverse(_l_block(kb3, k3, G3, G3, m3, BC, True), BC)
-    L10 = _l_block(kb1, k0, G1, G0, m1, BC, False)
-    L20 = _l_block(kb2, k0, G2, G0, m2, BC, False)
-    L21 = _l_block(kb2, k1, G2, G1, m2, BC, False)
-    L30 = _l_block(kb3, k0, G3, G0, m3, BC, False)
-    L31 = _l_block(kb3, k1, G3, G1, m3, BC, False)
-    L32 = _l_block(kb3, k2, G3, G2, m3, BC, False)
-    A10 = -_mm(A11, _mm(L10, A00))
-    A21 = -_mm(A22, _mm(L21, A11))
-    A32 = -_mm(A33, _mm(L32, A22))
-    A20 = -_mm(A22, _mm(L20, A00) + _mm(L21, A10))
-    A31 = -_mm(A33, _mm(L31, A11) + _mm(L32, A21))
-    A30 = -_mm(A33, _mm(L30, A00) + _mm(L31, A10) + _mm(L32, A20))
+    # 1. Diagonal blocks: X[i][b, :] = row i of A_bb, for the blocks b = 0..3 at once.
+    o_b = tl.arange(0, 4)
+    o_c = tl.arange(0, BC)
+    r_b = t0 + BC * o_b[:, None]  # [4, 1] first row of each block, in the sequence
+    p_b = A_ptr + (bos + r_b) * SA + BC * o_b[:, None]  # [4, 1] -> element (0, 0) of each block
+    X = ()
+    for i in tl.static_range(BC):
+        m_i = r_b + i < seqlen
+        x = tl.where(o_c[None, :] == i, 1.0, 0.0) + tl.zeros([4, BC], dtype=tl.float32)
+        for j in tl.static_range(i):
+            x -= tl.load(p_b + i * SA + j, mask=m_i, other=0) * X[j]
+        X = X + (x,)
+    tl.debug_barrier()
+    for i in tl.static_range(BC):
+        tl.store(p_b + i * SA + o_c[None, :], X[i], mask=r_b + i < seqlen)
+    tl.debug_barrier()
 
-    zero = tl.zeros([BC, BC], dtype=tl.float32)
-    c = i_h * BT + o_s[None, :]
-    p0, p1, p2, p3 = (A_ptr + r0[:, None] * (HV * BT) + c, A_ptr + r1[:, None] * (HV * BT) + c,
-                      A_ptr + r2[:, None] * (HV * BT) + c, A_ptr + r3[:, None] * (HV * BT) + c)
-    M0, M1, M2, M3 = m0[:, None], m1[:, None], m2[:, None], m3[:, None]
-    tl.store(p0, A00, mask=M0)
-    tl.store(p0 + BC, zero, mask=M0)
-    tl.store(p0 + 2 * BC, zero, mask=M0)
-    tl.store(p0 + 3 * BC, zero, mask=M0)
-    tl.store(p1, A10, mask=M1)
-    tl.store(p1 + BC, A11, mask=M1)
-    tl.store(p1 + 2 * BC, zero, mask=M1)
-    tl.store(p1 + 3 * BC, zero, mask=M1)
-    tl.store(p2, A20, mask=M2)
-    tl.store(p2 + BC, A21, mask=M2)
-    tl.store(p2 + 2 * BC, A22, mask=M2)
-    tl.store(p2 + 3 * BC, zero, mask=M2)
-    tl.store(p3, A30, mask=M3)
-    tl.store(p3 + BC, A31, mask=M3)
-    tl.store(p3 + 2 * BC, A32, mask=M3)
-    tl.store(p3 + 3 * BC, A33, mask=M3)
+    # 2. The blocks next to the diagonal.
+    r0 = bos + t0 + tl.arange(0, BC)
+    r1, r2, r3 = r0 + BC, r0 + 2 * BC, r0 + 3 * BC
+    m0, m1, m2, m3 = r0 - bos < seqlen, r1 - bos < seqlen, r2 - bos < seqlen, r3 - bos < seqlen
+    A00, A11 = _tile(A_ptr, r0, m0, 0, SA, BC), _tile(A_ptr, r1, m1, BC, SA, BC)
+    A22, A33 = _tile(A_ptr, r2, m2, 2 * BC, SA, BC), _tile(A_ptr, r3, m3, 3 * BC, SA, BC)
+    A10 = -_mm(A11, _mm(_tile(A_ptr, r1, m1, 0, SA, BC), A00))
+    A32 = -_mm(A33, _mm(_tile(A_ptr, r3, m3, 2 * BC, SA, BC), A22))
+    tl.debug_barrier()
+    _put(A_ptr, r1, m1, 0, A10, SA, BC)
+    _put(A_ptr, r3, m3, 2 * BC, A32, SA, BC)
+    tl.debug_barrier()
+
+    # 3. Lower-left block: P = E Alo = [E [A00; A10], E[:, 16:] A11], then -Ahi P by block rows.
+    P0 = _mm(_tile(A_ptr, r_hi, m_hi, 0, SA, H), _tile(A_ptr, r_lo, m_lo, 0, SA, BC))
+    P1 = _mm(_tile(A_ptr, r_hi, m_hi, BC, SA, BC), A11)
+    tl.debug_barrier()
+    _put(A_ptr, r_hi, m_hi, 0, P0, SA, BC)
+    _put(A_ptr, r_hi, m_hi, BC, P1, SA, BC)
+    tl.debug_barrier()
+    X2 = -_mm(A22, _tile(A_ptr, r2, m2, 0, SA, H))
+    X3 = -_mm(_tile(A_ptr, r3, m3, H, SA, H), _tile(A_ptr, r_hi, m_hi, 0, SA, H))  # [A32 A33] P
+    tl.debug_barrier()
+    _put(A_ptr, r2, m2, 0, X2, SA, H)
+    _put(A_ptr, r3, m3, 0, X3, SA, H)
 
 
 @triton.jit(do_not_specialize=["T"])
