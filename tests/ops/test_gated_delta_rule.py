@@ -90,6 +90,9 @@ CASES = [
     ("T130-bf16-nol2", 1, 130, 2, 2, 32, 16, torch.bfloat16, False, False, False),
     ("T128-bf16-gqa-l2-h0", 1, 128, 1, 2, 16, 16, torch.bfloat16, True, True, True),
     ("T130-fp32-gqa-K32-h0", 1, 130, 1, 2, 32, 32, torch.float32, True, True, True),
+    # three value heads per q/k head (Qwen3.5/3.6: 48 over 16), with and without the l2norm that sums them
+    ("T70-bf16-gqa3-l2", 1, 70, 2, 6, 16, 16, torch.bfloat16, True, False, True),
+    ("T70-fp32-gqa3-nol2", 1, 70, 1, 3, 16, 16, torch.float32, False, False, False),
 ]
 
 

@@ -121,12 +121,14 @@ def l2norm_fwd(x: torch.Tensor):
     return y, rstd
 
 
-def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype):
+def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype, group: int = 1):
+    """dx of ``x [..., D]``; ``dy [..., group, D]`` when each row's gradient arrives as ``group`` partial
+    rows (one per value head of a query/key head), summed in the kernel in a fixed order."""
     D = x.shape[-1]
     R = x.numel() // D
     dx = alloc.empty(x.shape, dtype=out_dtype, device=x.device)
     _l2norm_bwd(lambda m: (triton.cdiv(R, m["BR"]),), x, rstd, dy.contiguous(), dx, R,
-                bucket=_bucket(R), D=D, BD=_block(D))
+                bucket=_bucket(R), D=D, BD=_block(D), G=group)
     return dx
 
 
@@ -204,13 +206,15 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     dg = alloc.empty(B, T, Hv, dtype=torch.float32, device=q.device)
     _kernels(q).bwd_local((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv, dbeta, dg,
                           cu, indices, T, scale, bucket=_bucket(n_chunks), **consts)
-    if Hv != Hk:  # a query/key head serves Hv // Hk value heads: sum their gradients, in a fixed order
-        dq = dq.view(B, T, Hk, Hv // Hk, K).sum(3)
-        dk = dk.view(B, T, Hk, Hv // Hk, K).sum(3)
+    # A query/key head serves Hv // Hk value heads: their gradients are summed in a fixed order, inside
+    # the l2norm backward when there is one (no extra pass over the fp32 per-value-head gradients).
     if use_qk_l2norm:
-        dq = l2norm_bwd(q_in, q_rstd, dq, q_in.dtype)
-        dk = l2norm_bwd(k_in, k_rstd, dk, k_in.dtype)
+        dq = l2norm_bwd(q_in, q_rstd, dq, q_in.dtype, group=Hv // Hk)
+        dk = l2norm_bwd(k_in, k_rstd, dk, k_in.dtype, group=Hv // Hk)
     else:
+        if Hv != Hk:
+            dq = dq.view(B, T, Hk, Hv // Hk, K).sum(3)
+            dk = dk.view(B, T, Hk, Hv // Hk, K).sum(3)
         dq, dk = dq.to(q_in.dtype), dk.to(k_in.dtype)
     if dh0 is None:
         dh0 = alloc.empty(0, dtype=torch.float32, device=q.device)

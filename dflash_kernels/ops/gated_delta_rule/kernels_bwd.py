@@ -162,16 +162,18 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_dbeta = tl.sum(b_dX * b_kf * b_eG[:, None], 1)
     b_dG += tl.sum(b_dX * b_X, 1)
     b_dA = tl.dot(b_dw.to(dt), tl.trans(b_X.to(dt)))
+    # The products with dU run in the input precision, as the forward's u = A (beta V) does.
+    b_Ad = b_A.to(dt)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0).to(dt)
         b_v = tl.load(v_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
-        b_dY = tl.dot(tl.trans(b_A), b_dvnew)
+        b_dY = tl.dot(tl.trans(b_Ad), b_dvnew)
         tl.store(dv_ptr + p_v, (b_dY * b_beta[:, None]).to(dv_ptr.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_dY * b_v, 1)
-        b_dA += tl.dot(b_dvnew, tl.trans(b_v * b_beta[:, None]))
+        b_dA += tl.dot(b_dvnew, tl.trans((b_v * b_beta[:, None]).to(dt)))
 
     strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dL = -tl.dot(tl.dot(tl.trans(b_A), b_dA), tl.trans(b_A))

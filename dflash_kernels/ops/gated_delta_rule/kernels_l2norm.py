@@ -1,7 +1,8 @@
 """Row-wise L2 normalization of q and k (``use_qk_l2norm_in_kernel``) and its backward.
 
 y = x * rstd with rstd = 1 / sqrt(sum(x^2) + eps), eps = 1e-6 as in fla and HF transformers.
-Backward: dx = rstd * (dy - y * sum(dy * y)).
+Backward: dx = rstd * (dy - y * sum(dy * y)). With G > 1 the incoming gradient is ``[R, G, D]``, one
+row per value head of the query/key head's group (Hv = G * Hk), summed in a fixed order first.
 """
 
 import triton
@@ -22,7 +23,8 @@ def _l2norm_fwd_kernel(x_ptr, y_ptr, rstd_ptr, R, eps, D: tl.constexpr, BD: tl.c
 
 
 @triton.jit(do_not_specialize=["R"])
-def _l2norm_bwd_kernel(x_ptr, rstd_ptr, dy_ptr, dx_ptr, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _l2norm_bwd_kernel(x_ptr, rstd_ptr, dy_ptr, dx_ptr, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
+                       G: tl.constexpr = 1):
     i_r = tl.program_id(0)
     o_r = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -30,6 +32,9 @@ def _l2norm_bwd_kernel(x_ptr, rstd_ptr, dy_ptr, dx_ptr, R, D: tl.constexpr, BD: 
     p = o_r[:, None] * D + o_d[None, :]
     b_rstd = tl.load(rstd_ptr + o_r, mask=o_r < R, other=0)
     b_y = tl.load(x_ptr + p, mask=mask, other=0).to(tl.float32) * b_rstd[:, None]
-    b_dy = tl.load(dy_ptr + p, mask=mask, other=0).to(tl.float32)
+    p_dy = o_r[:, None] * (G * D) + o_d[None, :]
+    b_dy = tl.load(dy_ptr + p_dy, mask=mask, other=0).to(tl.float32)
+    for j in tl.static_range(1, G):
+        b_dy += tl.load(dy_ptr + p_dy + j * D, mask=mask, other=0).to(tl.float32)
     b_dx = b_rstd[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, 1)[:, None])
     tl.store(dx_ptr + p, b_dx.to(dx_ptr.dtype.element_ty), mask=mask)
