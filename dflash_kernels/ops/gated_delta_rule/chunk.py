@@ -74,9 +74,10 @@ class _Kernels:
                                Config(BV=16, num_warps=4), Config(BV=16, num_warps=8)],
                               [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_local = make(_gdn_bwd_local_kernel, "gdn_bwd_local",
-                              [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=32, num_warps=4),
-                               Config(BV=16, num_warps=4, num_stages=1)],  # K=256 fits only here
-                              [Config(BV=16, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)])
+                              [Config(BV=32, BKB=64, num_warps=8), Config(BV=64, BKB=64, num_warps=8),
+                               Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8)],
+                              [Config(BV=16, BKB=64, num_warps=4, num_stages=1),
+                               Config(BV=32, BKB=64, num_warps=4, num_stages=1)], Config(BV=16, BKB=16))
 
 
 _KERNELS = {False: _Kernels(fp32=False), True: _Kernels(fp32=True)}

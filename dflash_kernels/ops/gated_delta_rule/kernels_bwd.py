@@ -20,6 +20,11 @@ gradient of the chunk's end state (dht for the last chunk):
     dG  from every exp(G...) factor, then dg = the reverse cumulative sum of dG inside the chunk.
 
 dq and dk are written per value head (fp32) and summed over each query/key head's group on the host.
+To bound the registers, ``local`` runs one pass over V for what contracts over V only (dP, dv and the
+du Y^T part of dA), then a pass over column blocks of K (BKB wide): per block a V loop accumulates its
+columns of dO S0^T, U dS1^T and dw, and the block's dq, dk without its dR terms (stored), and its shares
+of dbeta, dG and dA = ... + dw X^T follow. With dA complete come dL and dR, and a second pass over the
+K blocks adds dR K + dR^T K to the stored dk (re-read by the same program after a barrier).
 """
 
 import triton
@@ -86,88 +91,41 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
                           do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
                           cu_seqlens_ptr, chunk_indices_ptr, T, scale,
                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr):
+                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
+                          BKB: tl.constexpr):
+    # K is processed in column blocks of KB: every K-wide product is separable over them, so only one
+    # block's [BT, KB] accumulators are live at a time (the K-wide ones spilled registers on sm_90).
+    KB: tl.constexpr = BKB if BKB < BK else BK
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < seqlen
     rows = bos + o_t
-    o_k = tl.arange(0, BK)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
     o_i = tl.arange(0, BT)
     dt = q_ptr.dtype.element_ty
 
-    p_qk = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
-    b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
-    b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
     b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
     last = tl.minimum(i_t * BT + BT, seqlen) - 1
     b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
     b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-    b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
-
-    # Pass 1 over V: every product that contracts over V and involves the chunk's states.
-    b_dq = tl.zeros([BT, BK], dtype=tl.float32)   # dO S0^T
-    b_dks = tl.zeros([BT, BK], dtype=tl.float32)  # U dS1^T
-    b_dw = tl.zeros([BT, BK], dtype=tl.float32)   # -dU S0^T
-    b_dP = tl.zeros([BT, BT], dtype=tl.float32)   # dO U^T
-    b_hdh = tl.zeros([BK], dtype=tl.float32)      # partial sums of S0 * dS1 (for dG_last)
-    p_h = (i_c.to(tl.int64) * HV + i_h) * (K * V)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        o_kv = o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(h_ptr + p_h + o_kv, mask=m_kv, other=0)
-        b_dh = tl.load(dh_ptr + p_h + o_kv, mask=m_kv, other=0)
-        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
-        b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0)
-        b_do = tl.load(do_ptr + p_v, mask=m_tv, other=0)
-        b_dq += tl.dot(b_do, tl.trans(b_h))
-        b_dP += tl.dot(b_do, tl.trans(b_vnew))
-        b_dks += tl.dot(b_vnew, tl.trans(b_dh))
-        b_dw -= tl.dot(b_dvnew.to(dt), tl.trans(b_h))
-        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
-
+    b_Ad = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0).to(dt)
     b_eG = tl.exp(tl.where(m_t, b_G, 0.0))
     b_edec = tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))
-    b_qf = b_q.to(tl.float32)
-    b_kf = b_k.to(tl.float32)
-
-    # Intra-chunk attention term.
-    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    gamma = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0))
-    b_dPG = tl.where(causal, b_dP * scale * gamma, 0.0)
-    b_qk = tl.dot(b_q, tl.trans(b_k))
-    b_t = b_dPG * b_qk
-    b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
-    b_dq = b_dq * (scale * b_eG)[:, None]
-    b_dG += tl.sum(b_dq * b_qf, 1)
-    b_dq += tl.dot(b_dPG.to(dt), b_k)
-    tl.store(dq_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dq, mask=m_tk)
-
-    # State paths: S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U.
-    b_dk = tl.dot(tl.trans(b_dPG.to(dt)), b_q) + b_dks * b_edec[:, None]
-    b_t2 = tl.sum(b_dks * b_kf * b_edec[:, None], 1)
-    b_dG -= b_t2
-    b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2, 0)
-
-    # WY representation: w = A X, u = A Y, then A = (I + L)^-1.
     b_bg = b_beta * b_eG
-    b_X = b_kf * b_bg[:, None]
-    b_dX = tl.dot(tl.trans(b_A.to(dt)), b_dw.to(dt))
-    b_dk += b_dX * b_bg[:, None]
-    b_dbeta = tl.sum(b_dX * b_kf * b_eG[:, None], 1)
-    b_dG += tl.sum(b_dX * b_X, 1)
-    b_dA = tl.dot(b_dw.to(dt), tl.trans(b_X.to(dt)))
+
+    # Pass over V for the products that contract over V only: dP, dv, and the dU Y^T part of dA.
     # The products with dU run in the input precision, as the forward's u = A (beta V) does.
-    b_Ad = b_A.to(dt)
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)   # dO U^T
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)   # du Y^T, then + dw X^T over the K blocks
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
+        b_do = tl.load(do_ptr + p_v, mask=m_tv, other=0)
+        b_dP += tl.dot(b_do, tl.trans(b_vnew))
         b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0).to(dt)
         b_v = tl.load(v_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
         b_dY = tl.dot(tl.trans(b_Ad), b_dvnew)
@@ -175,20 +133,106 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         b_dbeta += tl.sum(b_dY * b_v, 1)
         b_dA += tl.dot(b_dvnew, tl.trans((b_v * b_beta[:, None]).to(dt)))
 
+    # Intra-chunk attention term.
+    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    gamma = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0))
+    b_dPG = tl.where(causal, b_dP * scale * gamma, 0.0)
+    b_dPGd = b_dPG.to(dt)
+    o_kw = tl.arange(0, BK)
+    m_tkw = m_t[:, None] & (o_kw < K)[None, :]
+    p_qkw = rows[:, None] * (HK * K) + i_hk * K + o_kw[None, :]
+    b_qk = tl.dot(tl.load(q_ptr + p_qkw, mask=m_tkw, other=0),
+                  tl.trans(tl.load(k_ptr + p_qkw, mask=m_tkw, other=0)))
+    b_t = b_dPG * b_qk
+    b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
+
+    b_hdh = tl.zeros([KB], dtype=tl.float32)      # partial sums of S0 * dS1 (for dG_last)
+    b_t2s = tl.zeros([BT], dtype=tl.float32)      # the state path's share of dG_last
+    p_h = (i_c.to(tl.int64) * HV + i_h) * (K * V)
+    # Pass over the K blocks: each block's dq (final), dk without the dR terms (stored, completed
+    # below), and its shares of dbeta, dG, dG_last and dA.
+    for i_kb in range(BK // KB):
+        o_k = i_kb * KB + tl.arange(0, KB)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_qk = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
+        b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
+        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
+
+        # The products that contract over V and involve the chunk's states.
+        b_dq = tl.zeros([BT, KB], dtype=tl.float32)   # dO S0^T
+        b_dks = tl.zeros([BT, KB], dtype=tl.float32)  # U dS1^T
+        b_dw = tl.zeros([BT, KB], dtype=tl.float32)   # -dU S0^T
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            o_kv = o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h_ptr + p_h + o_kv, mask=m_kv, other=0)
+            b_dh = tl.load(dh_ptr + p_h + o_kv, mask=m_kv, other=0)
+            p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+            b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
+            b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0)
+            b_do = tl.load(do_ptr + p_v, mask=m_tv, other=0)
+            b_dq += tl.dot(b_do, tl.trans(b_h))
+            b_dks += tl.dot(b_vnew, tl.trans(b_dh))
+            b_dw -= tl.dot(b_dvnew.to(dt), tl.trans(b_h))
+            b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+
+        b_qf = b_q.to(tl.float32)
+        b_kf = b_k.to(tl.float32)
+        b_dq = b_dq * (scale * b_eG)[:, None]
+        b_dG += tl.sum(b_dq * b_qf, 1)
+        b_dq += tl.dot(b_dPGd, b_k)
+        p_dqk = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
+        tl.store(dq_ptr + p_dqk, b_dq, mask=m_tk)
+
+        # State paths: S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U.
+        b_dk = tl.dot(tl.trans(b_dPGd), b_q) + b_dks * b_edec[:, None]
+        b_t2 = tl.sum(b_dks * b_kf * b_edec[:, None], 1)
+        b_dG -= b_t2
+        b_t2s += b_t2
+
+        # WY representation: w = A X, u = A Y, then A = (I + L)^-1.
+        b_X = b_kf * b_bg[:, None]
+        # A^T loaded per block: a transposed register operand hoisted out of the loops held 16 registers.
+        b_At = tl.load(A_ptr + rows[None, :] * (HV * BT) + i_h * BT + o_i[:, None], mask=m_t[None, :], other=0)
+        b_dX = tl.dot(b_At.to(dt), b_dw.to(dt))
+        b_dA += tl.dot(b_dw.to(dt), tl.trans(b_X.to(dt)))
+        b_dk += b_dX * b_bg[:, None]
+        b_dbeta += tl.sum(b_dX * b_kf * b_eG[:, None], 1)
+        b_dG += tl.sum(b_dX * b_X, 1)
+        tl.store(dk_ptr + p_dqk, b_dk, mask=m_tk)
+    b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2s, 0)
+
+    # Reloaded rather than kept live through the K blocks (registers).
+    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+    b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
     strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
     b_dL = -tl.dot(tl.dot(tl.trans(b_A), b_dA), tl.trans(b_A))
     b_dL = tl.where(strict, b_dL, 0.0)
-    gamma_s = tl.where(strict, gamma, 0.0)
-    b_kk = tl.dot(b_k, tl.trans(b_k))
+    gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
     b_dLg = b_dL * gamma_s
-    b_dbeta += tl.sum(b_dLg * b_kk, 1)
     b_dR = b_dLg * b_beta[:, None]
-    b_dk += tl.dot(b_dR.to(dt), b_k) + tl.dot(tl.trans(b_dR.to(dt)), b_k)
+    b_dRd = b_dR.to(dt)
+    b_kw = tl.load(k_ptr + p_qkw, mask=m_tkw, other=0)
+    b_kk = tl.dot(b_kw, tl.trans(b_kw))
+    b_dbeta += tl.sum(b_dLg * b_kk, 1)
     b_t3 = b_dR * b_kk
     b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
+    # The dR terms of dk, added to the partial dk each thread block stored above (the barrier makes
+    # those stores visible to all of its threads).
+    tl.debug_barrier()
+    for i_kb in range(BK // KB):
+        o_k = i_kb * KB + tl.arange(0, KB)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0)
+        p_dk = dk_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
+        b_dk = tl.load(p_dk, mask=m_tk, other=0)
+        b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
+        tl.store(p_dk, b_dk, mask=m_tk)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
     b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
 
-    tl.store(dk_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dk, mask=m_tk)
     tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
     tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
