@@ -1,6 +1,8 @@
 """use_dflash_kernels: a Qwen3.5 hybrid gives the same logits, gradients and cached generation
 through dflash_kernels as through transformers' own torch path."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -14,7 +16,13 @@ from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 
 @pytest.fixture()
-def model():
+def model(monkeypatch):
+    # transformers calls fla / causal-conv1d instead of its own torch code when they import (the GPU
+    # machine has them as peers, and fla's backward refuses on Hopper with triton < 3.7.1): the
+    # reference here is transformers' torch path, the function each hub wrapper wraps.
+    for name in ADAPTERS:
+        if hasattr(modeling_qwen3_5, name):
+            monkeypatch.setattr(modeling_qwen3_5, name, inspect.unwrap(getattr(modeling_qwen3_5, name)))
     torch.manual_seed(0)
     cfg = Qwen3_5TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
