@@ -120,6 +120,19 @@ def test_seq_idx(dtype):
         _check(name, k.grad, r.grad.to(dtype), dtype)
 
 
+@pytest.mark.parametrize("W,channel_last,T", [(2, False, 53), (3, True, 53), (4, True, 70), (3, False, 1100)],
+                         ids=lambda v: str(v))
+def test_seq_idx_widths_and_layouts(W, channel_last, T):
+    # seq_idx with initial and final states at every width and in both layouts; T = 1100 spans two
+    # backward chunks (two partial dweight rows).
+    x, weight, b, seq, init = _inputs(1, 21, T, W, torch.float32, channel_last=channel_last, init=True, seq=True)
+    outs_k, outs_r, kern, ref = _run_both(x, weight, b, seq, init, "silu", final=True)
+    _check("y", outs_k[0], outs_r[0], torch.float32)
+    _check("final_states", outs_k[1], outs_r[1], torch.float32)
+    for name, k, r in zip(["dx", "dweight", "dbias", "dinitial_states"], kern, ref):
+        _check(name, k.grad, r.grad, torch.float32)
+
+
 def test_seq_idx_isolates_sequences():
     # Changing one packed sequence's inputs must leave every other sequence's outputs unchanged.
     x, weight, b, _, _ = _inputs(1, 6, 40, 4, torch.float32)

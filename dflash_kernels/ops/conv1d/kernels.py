@@ -9,7 +9,9 @@ compile time and loads along it vectorize. Weight is ``[D, W]`` (contiguous), W 
 A source time before 0 reads the initial state ``init[W - 1 + src]`` (zero without one). With
 ``seq_idx`` a source counts only when it belongs to the same sequence as t; times before 0 belong to
 the sequence of t = 0. Each program owns a ``[BD, BT]`` tile of channels x times; the W shifted reads
-of x hit L1/L2, so DRAM traffic stays close to one read of x and one write of y.
+of x hit L1/L2, so DRAM traffic stays close to one read of x and one write of y. The backward, whose
+tiles would need 2W-1 shifted reads of x and W of dy, reads each time once and shifts in registers
+instead (see its section below).
 """
 
 import triton
@@ -117,6 +119,165 @@ def causal_conv1d_fwd_kernel(
                          val.to(final_ptr.dtype.element_ty), mask=d_mask[:, None])
 
 
+# ------------------------------------------------------------------------------------------ backward
+# The backward works on "positions": the times t0 + [0, BT) of a tile are cut into M = BT / V blocks of
+# V consecutive times (V = 16 bytes of x's dtype), and position p stands for the times t0 + m*V + p of
+# all blocks m at once: an [R, M] tensor (R = BD channels, or 1 for sequence ids). Neighbouring times
+# are then different tensors, not shifted loads: positions -(W-1) .. V+W-2 hold all the inputs and
+# output gradients that the block's own times 0 .. V-1 need, so each time is loaded once (plus the
+# W-1 halo positions on each side) and pre / g are computed once per time (the W-1 halo positions
+# past the block twice), where a tile of shifted loads would load x 2W-1 times and recompute every
+# g W times. Channel-first, the V times of a block are one vectorized load per thread, split into
+# positions in registers (``_split_blocks``); channel-last, each position is a load of its own,
+# vectorized along the channels.
+
+
+@triton.jit
+def _split_blocks(v, R: tl.constexpr, M: tl.constexpr, V: tl.constexpr):
+    """The V positions of an ``[R, M*V]`` tile: time m*V + j goes to element j of the tuple (``[R, M]``
+    each). With a block's V times in one thread (the layout of vectorized unit-stride loads), no data
+    moves."""
+    if V == 8:
+        e, o = tl.split(tl.reshape(v, [R, M, 2, 2, 2]))  # time m*8 + 4a + 2b + c: split off c, then b, a
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        c0, c4 = tl.split(e0)
+        c2, c6 = tl.split(e1)
+        c1, c5 = tl.split(o0)
+        c3, c7 = tl.split(o1)
+        parts = (c0, c1, c2, c3, c4, c5, c6, c7)
+    else:
+        tl.static_assert(V == 4)
+        e, o = tl.split(tl.reshape(v, [R, M, 2, 2]))  # time m*4 + 2b + c
+        c0, c2 = tl.split(e)
+        c1, c3 = tl.split(o)
+        parts = (c0, c1, c2, c3)
+    return parts
+
+
+@triton.jit
+def _join_blocks(c, R: tl.constexpr, BT: tl.constexpr, V: tl.constexpr):
+    """Inverse of ``_split_blocks``: the ``[R, BT]`` tile of the V positions in the tuple ``c``."""
+    if V == 8:
+        v = tl.join(tl.join(tl.join(c[0], c[4]), tl.join(c[2], c[6])),
+                    tl.join(tl.join(c[1], c[5]), tl.join(c[3], c[7])))
+    else:
+        v = tl.join(tl.join(c[0], c[2]), tl.join(c[1], c[3]))
+    return tl.reshape(v, [R, BT])
+
+
+@triton.jit
+def _times(ptr, b, d, d_mask, src, T, stride_b, stride_d, stride_t, SEQ: tl.constexpr, CHANNEL_LAST: tl.constexpr):
+    """The tile at times ``src`` (1D). x or dy (SEQ False): fp32 ``[BD, N]``, zero outside ``[0, T)``.
+    Sequence ids (SEQ): int32 ``[1, N]``; times before 0 belong to the sequence of time 0, times from
+    T on to none (-1)."""
+    if SEQ:
+        val = tl.load(ptr + b * stride_b + tl.maximum(src, 0)[None, :], mask=(src < T)[None, :],
+                      other=-1).to(tl.int32)
+    else:
+        val = tl.load(ptr + _tile_offsets(b, d, src, stride_b, stride_d, stride_t, CHANNEL_LAST),
+                      mask=d_mask[:, None] & ((src >= 0) & (src < T))[None, :], other=0.0).to(tl.float32)
+    return val
+
+
+@triton.jit
+def _positions(ptr, b, d, d_mask, t0, T, stride_b, stride_d, stride_t, P0: tl.constexpr, P1: tl.constexpr,
+               SEQ: tl.constexpr, CHANNEL_LAST: tl.constexpr, R: tl.constexpr, BT: tl.constexpr, V: tl.constexpr):
+    """Tuple of positions ``P0 .. P1-1`` (see above) of x, dy or the sequence ids (``_times``)."""
+    M: tl.constexpr = BT // V
+    out = ()
+    if CHANNEL_LAST:
+        # Times are along a non-unit stride: one load per position, vectorized along the channels.
+        blocks = t0 + tl.arange(0, M) * V
+        for p in tl.static_range(P0, P1):
+            out = out + (_times(ptr, b, d, d_mask, blocks + p, T, stride_b, stride_d, stride_t, SEQ, CHANNEL_LAST),)
+    else:
+        # Times are along the unit stride: load whole tiles (vectorized), this one and the ones
+        # shifted by whole blocks for the halo (those hit the cache), and split them into positions.
+        for k in tl.static_range(P0 // V, (P1 + V - 1) // V):
+            tile = _times(ptr, b, d, d_mask, t0 + k * V + tl.arange(0, BT), T, stride_b, stride_d, stride_t,
+                          SEQ, CHANNEL_LAST)
+            parts = _split_blocks(tile, R, M, V)
+            for j in tl.static_range(V):
+                if k * V + j >= P0:
+                    if k * V + j < P1:
+                        out = out + (parts[j],)
+    return out
+
+
+@triton.jit
+def _source(xs, qs, p: tl.constexpr, j: tl.constexpr, W: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """x at position p - j (``xs`` starts at position -(W-1)), zero unless in the sequence of position p."""
+    v = xs[p - j + W - 1]
+    if HAS_SEQ:
+        if j > 0:
+            v = tl.where(qs[p - j + W - 1] == qs[p + W - 1], v, 0.0)
+    return v
+
+
+@triton.jit
+def _silu_grad(pre, dy):
+    """``dy * silu'(pre)``, silu' = sig * (1 + pre * (1 - sig)), with sig = rsqrt((1 + e)^2) and
+    e = 2^(-pre * log2(e)): one special-function op each (tl.sigmoid's exp and division add range
+    fix-ups). Where (1 + e)^2 overflows, sig < 1e-19 comes out 0."""
+    e1 = 1.0 + tl.exp2(pre * -1.4426950408889634)
+    sig = tl.math.rsqrt(e1 * e1)
+    return dy * sig * (1.0 + pre * (1.0 - sig))
+
+
+@triton.jit
+def _select(cond, a, b, N: tl.constexpr):
+    """The tuple ``b`` with its first N elements replaced by those of ``a`` where ``cond``."""
+    out = ()
+    for i in tl.static_range(len(b)):
+        if i < N:
+            out = out + (tl.where(cond, a[i], b[i]),)
+        else:
+            out = out + (b[i],)
+    return out
+
+
+@triton.jit
+def _add_dfinal(dfinal_ptr, dxs, b, d, d_mask, blocks, T, stride_fb, stride_fd, stride_ft, W: tl.constexpr):
+    """dx positions ``dxs`` (blocks starting at times ``blocks``) plus the final-state gradient, which
+    the last W-1 times feed directly."""
+    for j in tl.static_range(W - 1):
+        df = tl.load(dfinal_ptr + b * stride_fb + d * stride_fd + j * stride_ft, mask=d_mask,
+                     other=0.0).to(tl.float32)[:, None]
+        out = ()
+        for p in tl.static_range(len(dxs)):
+            out = out + (tl.where((blocks + p == T - (W - 1) + j)[None, :], dxs[p] + df, dxs[p]),)
+        dxs = out
+    return dxs
+
+
+@triton.jit
+def _store_dinit(wl, dfinal_ptr, dinit_ptr, b, d, d_mask, gs, qs, T, D, stride_fb, stride_fd, stride_ft,
+                 W: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, BD: tl.constexpr,
+                 M: tl.constexpr):
+    """Gradient of the initial state from the chunk's first tile: ``gs`` holds g at its positions
+    0 .. W-2, ``qs`` the sequence ids at positions -(W-1) .. W-2 (block 0 starts at time 0).
+
+    Slot k sits at time k - (W-1); output u = k - i (position u of block 0) reads it through weight i,
+    and counts only when u is in the sequence of time 0 (``qs[0]``: time -(W-1) belongs to it). With
+    T < W-1 a final-state slot copies an initial-state slot.
+    """
+    first = (tl.arange(0, M) == 0)[None, :]
+    for k in tl.static_range(W - 1):
+        acc = tl.zeros((BD,), dtype=tl.float32)
+        for i in tl.static_range(k + 1):
+            sel = first
+            if HAS_SEQ:
+                sel = sel & (qs[k - i + W - 1] == qs[0])
+            acc += tl.sum(tl.where(sel, wl[W - 1 - i] * gs[k - i], 0.0), axis=1)
+        if HAS_DFINAL:
+            j = k - T
+            jv = tl.full((BD,), 0, tl.int32) + j
+            acc += tl.load(dfinal_ptr + b * stride_fb + d * stride_fd + jv * stride_ft,
+                           mask=d_mask & (jv >= 0) & (jv < W - 1), other=0.0).to(tl.float32)
+        tl.store(dinit_ptr + (b * D + d) * (W - 1) + k, acc.to(dinit_ptr.dtype.element_ty), mask=d_mask)
+
+
 @triton.jit(do_not_specialize=["T", "D", "NT", "CHUNK", "stride_xb", "stride_xd", "stride_xt", "stride_ib",
                                "stride_id", "stride_it", "stride_sb", "stride_fb", "stride_fd", "stride_ft",
                                "stride_yb", "stride_yd", "stride_yt"])
@@ -134,8 +295,11 @@ def causal_conv1d_bwd_kernel(
 
     x[t] feeds outputs u = t + s (s = 0..W-1) through weight W-1-s, so
     dx[t] = sum_s w[W-1-s] * g[t+s] with g = dy * act'(pre); pre is recomputed, never stored.
+    Per tile, on positions (above): pre and g at positions 0 .. V+W-2 from x at -(W-1) .. V+W-2, each
+    source masked against the sequence of its output; dx at positions 0 .. V-1 from the g's.
     """
     tl.static_assert(W >= 2 and W <= 4)
+    tl.static_assert(BT % 16 == 0)  # so a whole number of blocks (the launcher keeps it so)
     if ALIGNED:  # the launcher checked: lengths and strides along the tile multiples of 16 (_aligned)
         if CHANNEL_LAST:
             D, stride_xb, stride_xt = _aligned(D), _aligned(stride_xb), _aligned(stride_xt)
@@ -143,90 +307,104 @@ def causal_conv1d_bwd_kernel(
         else:
             T, stride_xb, stride_xd = _aligned(T), _aligned(stride_xb), _aligned(stride_xd)
             stride_yb, stride_yd = _aligned(stride_yb), _aligned(stride_yd)
+    V: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth  # times per block (see above)
+    M: tl.constexpr = BT // V
     pid_c = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(2).to(tl.int64)
     d_mask = d < D
-    w_cols = tl.arange(0, 4)
-    dw_acc = tl.zeros((BD, 4), dtype=tl.float32)
-    db_acc = tl.zeros((BD,), dtype=tl.float32)
+    # wl[j] = weight[W-1-j] multiplies x at lag j (position p - j) in the output at position p.
+    wl = ()
+    dw = ()  # dw[j]: the time-sums of g * x at lag j, reduced over blocks at the end
+    for j in tl.static_range(W):
+        wl = wl + (tl.load(w_ptr + d * W + (W - 1 - j), mask=d_mask, other=0.0).to(tl.float32)[:, None],)
+        dw = dw + (tl.zeros((BD, M), dtype=tl.float32),)
+    bias = tl.zeros((BD, 1), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[:, None]
+    db = tl.zeros((BD, M), dtype=tl.float32)
+    init = ()  # init[i]: the initial state at time i - (W-1)
+    g_head = ()  # g at positions 0 .. W-2 of the chunk's first tile
+    q_head = ()  # sequence ids at positions -(W-1) .. W-2 of the chunk's first tile
+    if HAS_INIT:
+        for i in tl.static_range(W - 1):
+            init = init + (tl.load(init_ptr + b * stride_ib + d * stride_id + i * stride_it, mask=d_mask,
+                                   other=0.0).to(tl.float32)[:, None],)
+            g_head = g_head + (tl.zeros((BD, M), dtype=tl.float32),)
+        if HAS_SEQ:
+            for i in tl.static_range(2 * W - 2):
+                q_head = q_head + (tl.zeros((1, M), dtype=tl.int32),)
     # A fixed trip count (the last chunk's tiles past T are fully masked) keeps the loop bounds
     # plain ints, which the interpreter needs too.
     for offset in tl.range(0, CHUNK, BT):
         t0 = tl.multiple_of(pid_c * CHUNK + offset, 16)  # CHUNK and BT are multiples of 16 (launcher)
-        t = t0 + tl.arange(0, BT)
-        t_seq = tl.zeros((BT,), dtype=tl.int32)
-        if HAS_SEQ:
-            t_seq = tl.load(seq_ptr + b * stride_sb + t, mask=t < T, other=-2).to(tl.int32)
-        dx = tl.zeros((BD, BT), dtype=tl.float32)
-        for s in tl.static_range(W):
-            u = t + s
-            u_seq = t_seq
-            if HAS_SEQ:
-                u_seq = tl.load(seq_ptr + b * stride_sb + u, mask=u < T, other=-2).to(tl.int32)
-            g = tl.load(dy_ptr + _tile_offsets(b, d, u, stride_yb, stride_yd, stride_yt, CHANNEL_LAST),
-                        mask=d_mask[:, None] & (u < T)[None, :], other=0.0).to(tl.float32)
+        xs = _positions(x_ptr, b, d, d_mask, t0, T, stride_xb, stride_xd, stride_xt, -(W - 1), V + W - 1,
+                        False, CHANNEL_LAST, BD, BT, V)
+        if HAS_INIT:  # x before time 0 (positions -(W-1) .. -1 of the first block) is the initial state
+            at_zero = (t0 + tl.arange(0, M) * V == 0)[None, :]
+            xs = _select(at_zero, init, xs, W - 1)
+        dys = _positions(dy_ptr, b, d, d_mask, t0, T, stride_yb, stride_yd, stride_yt, 0, V + W - 1,
+                         False, CHANNEL_LAST, BD, BT, V)
+        qs = ()
+        if HAS_SEQ:  # qs[i]: sequence ids at position i - (W-1), like xs
+            qs = _positions(seq_ptr, b, d, d_mask, t0, T, stride_sb, 0, 1, -(W - 1), V + W - 1,
+                            True, False, 1, BT, V)
+        # g at positions 0 .. V+W-2; those of 0 .. V-1 (this tile's times) also feed dweight and dbias.
+        gs = ()
+        for p in tl.static_range(V + W - 1):
+            g = dys[p]
             if ACT:
-                pre = _preact(x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, b, d, d_mask, u, u_seq, T,
-                              stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
-                              W, HAS_BIAS, HAS_INIT, HAS_SEQ, CHANNEL_LAST, BD, BT)
-                sig = tl.sigmoid(pre)
-                g = g * sig * (1.0 + pre * (1.0 - sig))
-            w_s = tl.load(w_ptr + d * W + (W - 1 - s), mask=d_mask, other=0.0).to(tl.float32)
-            contrib = w_s[:, None] * g
+                pre = bias + wl[0] * xs[p + W - 1]
+                for j in tl.static_range(1, W):
+                    pre += wl[j] * _source(xs, qs, p, j, W, HAS_SEQ)
+                g = _silu_grad(pre, g)
+            gs = gs + (g,)
+            if p < V:
+                new_dw = ()
+                for j in tl.static_range(W):
+                    new_dw = new_dw + (dw[j] + g * _source(xs, qs, p, j, W, HAS_SEQ),)
+                dw = new_dw
+                if HAS_BIAS:
+                    db += g
+        # dx at position p: x there reaches the outputs at p + s through weight W-1-s (lag s),
+        # within its own sequence only.
+        dxs = ()
+        for p in tl.static_range(V):
+            acc = wl[0] * gs[p]
+            for s in tl.static_range(1, W):
+                contrib = wl[s] * gs[p + s]
+                if HAS_SEQ:
+                    contrib = tl.where(qs[p + s + W - 1] == qs[p + W - 1], contrib, 0.0)
+                acc += contrib
+            dxs = dxs + (acc,)
+        if HAS_INIT:  # keep what dinit needs from the chunk's first tile
+            is_first = t0 == 0
+            g_head = _select(is_first, gs, g_head, W - 1)
             if HAS_SEQ:
-                contrib = tl.where((u_seq == t_seq)[None, :], contrib, 0.0)
-            dx += contrib
-            if s == 0:
-                # g holds the output gradient at this tile's own times: reduce it for dweight/dbias.
-                for i in tl.static_range(W):
-                    xv = _load_src(x_ptr, init_ptr, seq_ptr, b, d, d_mask, t - (W - 1 - i), t_seq, T,
-                                   stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
-                                   W, HAS_INIT, HAS_SEQ, CHANNEL_LAST)
-                    dw_acc += tl.where((w_cols == i)[None, :], tl.sum(g * xv, axis=1)[:, None], 0.0)
-                db_acc += tl.sum(g, axis=1)
-                if HAS_INIT:
-                    if t0 == 0:
-                        _store_dinit(w_ptr, seq_ptr, dfinal_ptr, dinit_ptr, b, d, d_mask, t, t_seq, g, T, D,
-                                     stride_sb, stride_fb, stride_fd, stride_ft, W, HAS_SEQ, HAS_DFINAL, BD)
+                q_head = _select(is_first, qs, q_head, 2 * W - 2)
+        blocks = t0 + tl.arange(0, M) * V
         if HAS_DFINAL:
-            for j in tl.static_range(W - 1):
-                df = tl.load(dfinal_ptr + b * stride_fb + d * stride_fd + j * stride_ft,
-                             mask=d_mask, other=0.0).to(tl.float32)
-                dx += tl.where((t == T - (W - 1) + j)[None, :], df[:, None], 0.0)
-        tl.store(dx_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
-                 dx.to(dx_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+            if t0 + BT + (W - 1) > T:  # the tile may hold some of the last W-1 times
+                dxs = _add_dfinal(dfinal_ptr, dxs, b, d, d_mask, blocks, T, stride_fb, stride_fd, stride_ft, W)
+        if CHANNEL_LAST:  # a store per position, vectorized along the channels
+            for p in tl.static_range(V):
+                t = blocks + p
+                tl.store(dx_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
+                         dxs[p].to(dx_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+        else:  # one tile store, vectorized along time
+            t = t0 + tl.arange(0, BT)
+            dx = _join_blocks(dxs, BD, BT, V)
+            tl.store(dx_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
+                     dx.to(dx_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+    if HAS_INIT:
+        if pid_c == 0:
+            _store_dinit(wl, dfinal_ptr, dinit_ptr, b, d, d_mask, g_head, q_head, T, D, stride_fb, stride_fd,
+                         stride_ft, W, HAS_SEQ, HAS_DFINAL, BD, M)
     row = b * NT + pid_c
-    tl.store(dw_ptr + (row * D + d[:, None]) * W + w_cols[None, :], dw_acc,
-             mask=d_mask[:, None] & (w_cols < W)[None, :])
+    for j in tl.static_range(W):
+        tl.store(dw_ptr + (row * D + d) * W + (W - 1 - j), tl.sum(dw[j], axis=1), mask=d_mask)
     if HAS_BIAS:
-        tl.store(db_ptr + row * D + d, db_acc, mask=d_mask)
-
-
-@triton.jit
-def _store_dinit(w_ptr, seq_ptr, dfinal_ptr, dinit_ptr, b, d, d_mask, t, t_seq, g, T, D,
-                 stride_sb, stride_fb, stride_fd, stride_ft,
-                 W: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr, BD: tl.constexpr):
-    """Gradient of the initial state, from the first tile's output gradient ``g`` (times 0..BT-1).
-
-    Slot k sits at time k - (W-1); output u = k - i reads it through weight i, and counts only when
-    u is in the sequence of time 0. With T < W-1 a final-state slot copies an initial-state slot.
-    """
-    seq0 = t_seq * 0
-    if HAS_SEQ:
-        seq0 = seq0 + tl.load(seq_ptr + b * stride_sb).to(tl.int32)
-    for k in tl.static_range(W - 1):
-        acc = tl.zeros((BD,), dtype=tl.float32)
-        for i in tl.static_range(k + 1):
-            w_i = tl.load(w_ptr + d * W + i, mask=d_mask, other=0.0).to(tl.float32)
-            sel = (t == k - i) & (t_seq == seq0)
-            acc += w_i * tl.sum(tl.where(sel[None, :], g, 0.0), axis=1)
-        if HAS_DFINAL:
-            j = k - T
-            jv = tl.full((BD,), 0, tl.int32) + j
-            acc += tl.load(dfinal_ptr + b * stride_fb + d * stride_fd + jv * stride_ft,
-                           mask=d_mask & (jv >= 0) & (jv < W - 1), other=0.0).to(tl.float32)
-        tl.store(dinit_ptr + (b * D + d) * (W - 1) + k, acc.to(dinit_ptr.dtype.element_ty), mask=d_mask)
+        tl.store(db_ptr + row * D + d, tl.sum(db, axis=1), mask=d_mask)
 
 
 @triton.jit(do_not_specialize=["L", "D", "S", "stride_xb", "stride_xd", "stride_xl",
