@@ -108,13 +108,23 @@ def gdn_cases():
             yield name, kern.fn, types, {**common, **extra, **c.meta}, c
 
 
+def conv_cases():
+    """Causal conv1d, width 4, SiLU, bias, bf16, channel-first with 16-byte aligned rows (ANCHORS.md shapes)."""
+    from dflash_kernels.ops.conv1d import conv1d as C
+    common = dict(W=4, HAS_BIAS=True, HAS_SEQ=False, HAS_INIT=False, ACT=True, CHANNEL_LAST=False, ALIGNED=True)
+    for name, kern, extra in [("conv_fwd", C._fwd, {"HAS_FINAL": False}), ("conv_bwd", C._bwd, {"HAS_DFINAL": False})]:
+        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=("dw_ptr", "db_ptr"), i32=("seq_ptr",))
+        for c in kern.configs:
+            yield name, kern.fn, types, {**common, **extra, **c.meta}, c
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ops", nargs="*", default=["attention", "gdn"], help="attention and/or gdn")
+    parser.add_argument("ops", nargs="*", default=["attention", "gdn", "conv"], help="attention, gdn and/or conv")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("sm90_resources: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
-    cases = {"attention": attention_cases, "gdn": gdn_cases}
+    cases = {"attention": attention_cases, "gdn": gdn_cases, "conv": conv_cases}
     for op in args.ops:
         if op not in cases:
             raise SystemExit(f"sm90_resources: unknown op {op!r}; choose from {sorted(cases)}")

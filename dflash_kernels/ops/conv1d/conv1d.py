@@ -36,7 +36,8 @@ _BWD_CHUNK, _BWD_CHUNK_MIN = 1024, 256  # powers of two, multiples of every conf
 _fwd = TritonKernel(
     causal_conv1d_fwd_kernel, name="causal_conv1d_fwd",
     configs=[Config(BD=bd, BT=bt, num_warps=nw) for bd, bt, nw in
-             [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (64, 64, 4), (128, 32, 4), (64, 128, 8)]],
+             [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (64, 64, 4), (128, 32, 4), (64, 128, 8),
+              (16, 128, 4), (8, 256, 4), (8, 128, 4), (16, 256, 8)]],
     interpret_config=Config(BD=16, BT=32),
 )
 # Backward: 16 elements per thread (BD * BT / threads) keep the kernel's registers low (sm_90: 80 with
