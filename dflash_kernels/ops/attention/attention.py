@@ -29,8 +29,11 @@ _row_configs = [
 ]
 attn_fwd_kernel = TritonKernel(kernels._attn_fwd_kernel, name="block_sparse_attn_fwd", configs=_row_configs,
                                interpret_config=Config(BN=16, GPB=2))
+# The same candidates for dq, with the one the H200's tuner chose at the DFlash shapes first: the first
+# candidate is what an untuned run (DFLASH_KERNELS_TUNE=0) launches (the next that fits, if it does not).
 attn_bwd_dq_kernel = TritonKernel(kernels._attn_bwd_dq_kernel, name="block_sparse_attn_bwd_dq",
-                                  configs=_row_configs, interpret_config=Config(BN=16, GPB=2))
+                                  configs=[_row_configs[4]] + _row_configs[:4] + _row_configs[5:],
+                                  interpret_config=Config(BN=16, GPB=2))
 # The dk/dv kernel's key tile is the mask's kv_tile (the reverse index is built for it) or, with
 # SPLIT=2, half of it; tuned: that split, how many row tiles (EPI) one step stacks, launch options.
 # The SPLIT=2 candidates are the ones that do not spill registers at D=128 (kernels.py); a split
