@@ -8,10 +8,10 @@ compile time and loads along it vectorize. Weight is ``[D, W]`` (contiguous), W 
 
 A source time before 0 reads the initial state ``init[W - 1 + src]`` (zero without one). With
 ``seq_idx`` a source counts only when it belongs to the same sequence as t; times before 0 belong to
-the sequence of t = 0. Each program owns a ``[BD, BT]`` tile of channels x times; the W shifted reads
-of x hit L1/L2, so DRAM traffic stays close to one read of x and one write of y. The backward, whose
-tiles would need 2W-1 shifted reads of x and W of dy, reads each time once and shifts in registers
-instead (see its section below).
+the sequence of t = 0. Each program owns a ``[BD, BT]`` tile of channels x times. Forward and backward
+work on "positions" (the backward's section below): a tile's times are loaded with aligned, vectorized
+loads and shifted in registers, never read again at an unaligned offset, so DRAM traffic stays close
+to one read of each input and one write of each output, and each time's activation is computed once.
 """
 
 import triton
@@ -47,24 +47,6 @@ def _load_src(x_ptr, init_ptr, seq_ptr, b, d, d_mask, src, t_seq, T,
 
 
 @triton.jit
-def _preact(x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, b, d, d_mask, t, t_seq, T,
-            stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
-            W: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-            CHANNEL_LAST: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr):
-    """The pre-activation ``bias + sum_i w[i] x[t - (W-1-i)]`` as an fp32 ``[BD, BT]`` tile."""
-    acc = tl.zeros((BD, BT), dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[:, None]
-    for i in tl.static_range(W):
-        w_i = tl.load(w_ptr + d * W + i, mask=d_mask, other=0.0).to(tl.float32)
-        xv = _load_src(x_ptr, init_ptr, seq_ptr, b, d, d_mask, t - (W - 1 - i), t_seq, T,
-                       stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
-                       W, HAS_INIT, HAS_SEQ, CHANNEL_LAST)
-        acc += w_i[:, None] * xv
-    return acc
-
-
-@triton.jit
 def _aligned(n):
     """``n`` rebuilt as ``n // 16 * 16``: equal when the launcher checked it is a multiple of 16, and
     then the compiler can prove it. Lengths and strides stay unspecialized (one kernel per bucket);
@@ -91,21 +73,52 @@ def causal_conv1d_fwd_kernel(
             D, stride_xb, stride_xt = _aligned(D), _aligned(stride_xb), _aligned(stride_xt)
         else:
             T, stride_xb, stride_xd = _aligned(T), _aligned(stride_xb), _aligned(stride_xd)
+    # On positions (see the backward's notes below): x is loaded as this tile and the one a block
+    # earlier (vectorized; the halo), split into the positions -(W-1) .. V-1 in registers, and every
+    # output is a sum of whole position tensors: no shifted, unaligned loads.
+    V: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+    M: tl.constexpr = BT // V
+    tl.static_assert(BT % 16 == 0)
     pid_t = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     b = tl.program_id(2).to(tl.int64)
-    t = pid_t * BT + tl.arange(0, BT)
     d_mask = d < D
-    t_seq = tl.zeros((BT,), dtype=tl.int32)
-    if HAS_SEQ:
-        t_seq = tl.load(seq_ptr + b * stride_sb + t, mask=t < T, other=-2).to(tl.int32)
-    acc = _preact(x_ptr, w_ptr, bias_ptr, init_ptr, seq_ptr, b, d, d_mask, t, t_seq, T,
-                  stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
-                  W, HAS_BIAS, HAS_INIT, HAS_SEQ, CHANNEL_LAST, BD, BT)
-    if ACT:
-        acc = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
-             acc.to(y_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+    t0 = tl.multiple_of(pid_t * BT, 16)
+    wl = ()  # wl[j] = weight[W-1-j] multiplies x at lag j
+    for j in tl.static_range(W):
+        wl = wl + (tl.load(w_ptr + d * W + (W - 1 - j), mask=d_mask, other=0.0).to(tl.float32)[:, None],)
+    bias = tl.zeros((BD, 1), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[:, None]
+    xs = _positions(x_ptr, b, d, d_mask, t0, T, stride_xb, stride_xd, stride_xt, -(W - 1), V,
+                    False, CHANNEL_LAST, BD, BT, V)
+    if HAS_INIT:  # x before time 0 (positions -(W-1) .. -1 of the first block) is the initial state
+        init = ()
+        for i in tl.static_range(W - 1):
+            init = init + (tl.load(init_ptr + b * stride_ib + d * stride_id + i * stride_it, mask=d_mask,
+                                   other=0.0).to(tl.float32)[:, None],)
+        xs = _select((t0 + tl.arange(0, M) * V == 0)[None, :], init, xs, W - 1)
+    qs = ()
+    if HAS_SEQ:  # qs[i]: sequence ids at position i - (W-1), like xs
+        qs = _positions(seq_ptr, b, d, d_mask, t0, T, stride_sb, 0, 1, -(W - 1), V, True, False, 1, BT, V)
+    ys = ()
+    for p in tl.static_range(V):
+        acc = bias + wl[0] * xs[p + W - 1]
+        for j in tl.static_range(1, W):
+            acc += wl[j] * _source(xs, qs, p, j, W, HAS_SEQ)
+        if ACT:
+            acc = _silu(acc)
+        ys = ys + (acc,)
+    if CHANNEL_LAST:  # a store per position, vectorized along the channels
+        blocks = t0 + tl.arange(0, M) * V
+        for p in tl.static_range(V):
+            t = blocks + p
+            tl.store(y_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
+                     ys[p].to(y_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+    else:  # one tile store, vectorized along time
+        t = t0 + tl.arange(0, BT)
+        tl.store(y_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
+                 _join_blocks(ys, BD, BT, V).to(y_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
     if HAS_FINAL:
         # The last W-1 inputs (initial state where T < W-1) become the state for the next call.
         if pid_t == tl.cdiv(T, BT) - 1:
@@ -213,6 +226,13 @@ def _source(xs, qs, p: tl.constexpr, j: tl.constexpr, W: tl.constexpr, HAS_SEQ: 
         if j > 0:
             v = tl.where(qs[p - j + W - 1] == qs[p + W - 1], v, 0.0)
     return v
+
+
+@triton.jit
+def _silu(pre):
+    """``pre * sigmoid(pre)`` with the sigmoid of ``_silu_grad`` (exp2 and one rsqrt)."""
+    e1 = 1.0 + tl.exp2(pre * -1.4426950408889634)
+    return pre * tl.math.rsqrt(e1 * e1)
 
 
 @triton.jit
