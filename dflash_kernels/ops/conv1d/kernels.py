@@ -109,16 +109,7 @@ def causal_conv1d_fwd_kernel(
         if ACT:
             acc = _silu(acc)
         ys = ys + (acc,)
-    if CHANNEL_LAST:  # a store per position, vectorized along the channels
-        blocks = t0 + tl.arange(0, M) * V
-        for p in tl.static_range(V):
-            t = blocks + p
-            tl.store(y_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
-                     ys[p].to(y_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
-    else:  # one tile store, vectorized along time
-        t = t0 + tl.arange(0, BT)
-        tl.store(y_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
-                 _join_blocks(ys, BD, BT, V).to(y_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+    _store_positions(y_ptr, ys, b, d, d_mask, t0, T, stride_xb, stride_xd, stride_xt, CHANNEL_LAST, BD, BT, V)
     if HAS_FINAL:
         # The last W-1 inputs (initial state where T < W-1) become the state for the next call.
         if pid_t == tl.cdiv(T, BT) - 1:
@@ -216,6 +207,22 @@ def _positions(ptr, b, d, d_mask, t0, T, stride_b, stride_d, stride_t, P0: tl.co
                     if k * V + j < P1:
                         out = out + (parts[j],)
     return out
+
+
+@triton.jit
+def _store_positions(ptr, vals, b, d, d_mask, t0, T, stride_b, stride_d, stride_t, CHANNEL_LAST: tl.constexpr,
+                     BD: tl.constexpr, BT: tl.constexpr, V: tl.constexpr):
+    """Store the V positions ``vals`` of the tile at ``t0`` (inverse of ``_positions``), times < T only."""
+    if CHANNEL_LAST:  # a store per position, vectorized along the channels
+        blocks = t0 + tl.arange(0, BT // V) * V
+        for p in tl.static_range(V):
+            t = blocks + p
+            tl.store(ptr + _tile_offsets(b, d, t, stride_b, stride_d, stride_t, CHANNEL_LAST),
+                     vals[p].to(ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+    else:  # one tile store, vectorized along time
+        t = t0 + tl.arange(0, BT)
+        tl.store(ptr + _tile_offsets(b, d, t, stride_b, stride_d, stride_t, CHANNEL_LAST),
+                 _join_blocks(vals, BD, BT, V).to(ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
 
 
 @triton.jit
@@ -406,16 +413,8 @@ def causal_conv1d_bwd_kernel(
         if HAS_DFINAL:
             if t0 + BT + (W - 1) > T:  # the tile may hold some of the last W-1 times
                 dxs = _add_dfinal(dfinal_ptr, dxs, b, d, d_mask, blocks, T, stride_fb, stride_fd, stride_ft, W)
-        if CHANNEL_LAST:  # a store per position, vectorized along the channels
-            for p in tl.static_range(V):
-                t = blocks + p
-                tl.store(dx_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
-                         dxs[p].to(dx_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
-        else:  # one tile store, vectorized along time
-            t = t0 + tl.arange(0, BT)
-            dx = _join_blocks(dxs, BD, BT, V)
-            tl.store(dx_ptr + _tile_offsets(b, d, t, stride_xb, stride_xd, stride_xt, CHANNEL_LAST),
-                     dx.to(dx_ptr.dtype.element_ty), mask=d_mask[:, None] & (t < T)[None, :])
+        _store_positions(dx_ptr, dxs, b, d, d_mask, t0, T, stride_xb, stride_xd, stride_xt, CHANNEL_LAST,
+                         BD, BT, V)
     if HAS_INIT:
         if pid_c == 0:
             _store_dinit(wl, dfinal_ptr, dinit_ptr, b, d, d_mask, g_head, q_head, T, D, stride_fb, stride_fd,
