@@ -60,6 +60,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's sequences per step")
     p.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
     p.add_argument("--no-record", action="store_true", help="do not append GPU rows to benchmarks/results/tok_s.jsonl")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the timed steps, run STEPS more under torch.profiler and print where each group's "
+                        "device time goes (per kernel and per category); not part of the timing")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     return p.parse_args(argv)
 
@@ -298,7 +301,51 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3) -> dict:
+# Kernel-name fragments -> the category a profile row is counted in (first match wins).
+CATEGORIES = [("gdn", ("gdn", "chunk_gated", "chunk_fwd", "chunk_bwd", "recompute_w_u", "solve_tril",
+                       "chunk_scaled_dot", "l2norm", "fused_recurrent")),
+              ("conv", ("conv1d", "causal_conv", "_conv_")),
+              ("attention", ("attn", "flex", "flash", "sdpa", "softmax", "triton_tem_fused", "block_mask")),
+              ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul", "_mm_")),
+              ("elementwise", ("elementwise", "vectorized", "reduce", "triton_poi", "triton_red", "triton_per",
+                               "copy", "fill", "index", "cat", "embedding", "adam", "foreach"))]
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def profile_steps(step, n: int, dev, label: str, log) -> None:
+    """Run ``step`` n times under torch.profiler; log device ms per step by category and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if dev.type != "cuda":
+        log(f"    profile {label}: skipped (the device-time breakdown needs a GPU)")
+        return
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        _sync(dev)
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / n
+    total = sum(kernels.values())
+    cats = {}
+    for name, ms in kernels.items():
+        cats[category(name)] = cats.get(category(name), 0.0) + ms
+    log(f"    profile {label}: {total:.1f} device ms per step; " +
+        ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda x: -x[1])))
+    for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:25]:
+        log(f"      {ms:8.2f} ms  {category(name):11s} {name[:110]}")
+
+
+def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3,
+              profile: int = 0, log=print) -> dict:
     """Build a fresh drafter (same seed for every group), set the backends, time the training step."""
     import dflash_kernels as dk
     from trainer.data import batch_at
@@ -328,6 +375,17 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup + steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     drafter.train()
     tokens, t_timed = 0, None
+
+    def train_step(i):
+        batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
+        loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        return batch, loss
+
     for i in range(warmup + steps):
         if i == warmup:
             _sync(dev)
@@ -337,13 +395,7 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
                 flex.mask_s = 0.0
             t_timed = time.perf_counter()
         t0 = time.perf_counter()
-        batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
-        loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        batch, loss = train_step(i)
         if i == 0:
             row["loss_step1"] = loss.item()
             _sync(dev)
@@ -356,6 +408,10 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
                ms_step=elapsed / steps * 1e3)
     row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")
     row["mask_ms"] = flex.mask_s / steps * 1e3 if flex is not None else float("nan")
+    if profile > 0:
+        first = warmup + steps
+        it = iter(range(first, first + profile))
+        profile_steps(lambda: train_step(next(it)), profile, dev, f"{setup.name} {row['group']}", log)
     return row
 
 
@@ -377,7 +433,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
             raise SystemExit(f"--groups: unknown group {g!r}; use a, b and/or c")
         log(f"  {name} group ({g}) ...")
         try:
-            row = run_group(setup, g, steps, warmup, dev, dtype, args.reference_steps)
+            row = run_group(setup, g, steps, warmup, dev, dtype, args.reference_steps, args.profile, log)
         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not a crash
             row = {"preset": name, "group": group_plan(g, dev).get("label", g),
                    "error": f"{type(e).__name__}: {str(e)[:300]}"}

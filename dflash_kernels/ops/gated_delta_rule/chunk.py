@@ -13,7 +13,8 @@ import triton
 
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import _gdn_bwd_local_kernel, _gdn_bwd_state_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_output_kernel, _gdn_fwd_solve_kernel,
-                                                             _gdn_fwd_state_kernel, _gdn_fwd_wu_kernel)
+                                                             _gdn_fwd_state_kernel, _gdn_fwd_state_output_kernel,
+                                                             _gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import _l2norm_bwd_kernel, _l2norm_fwd_kernel
 from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
 from dflash_kernels.runtime.autograd import differentiable_op
@@ -65,6 +66,12 @@ class _Kernels:
                           [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
                            Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
                           [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
+        # Forward: the scan with the output fused in. BV=32 first (untuned runs launch it): twice the
+        # programs of BV=64, which a B=1 batch needs to fill the GPU.
+        self.state_output = make(_gdn_fwd_state_output_kernel, "gdn_fwd_state_output",
+                                 [Config(BV=32, num_warps=4), Config(BV=64, num_warps=4), Config(BV=64, num_warps=8),
+                                  Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
+                                 [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.output = make(_gdn_fwd_output_kernel, "gdn_fwd_output",
                            [Config(BV=64, num_warps=4), Config(BV=128, num_warps=8), Config(BV=32, num_warps=4),
                             Config(BV=64, num_warps=8), Config(BV=32, num_warps=8)],
@@ -133,8 +140,8 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     return dx
 
 
-def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
-    """Run prep and the state scan; returns (A, gcum, h per chunk, U per token, final state)."""
+def _prep(k, v, g, beta, layout, A=None, gcum=None):
+    """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
@@ -144,34 +151,51 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
         gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
     w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
     u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
-    consts = dict(HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
     kn = _kernels(k)
     if not load_a:
         kn.solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, bucket=_bucket(n_chunks),
                  HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
-    kn.wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=_bucket(n_chunks), **consts)
+    kn.wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=_bucket(n_chunks),
+          HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    return A, gcum, w, u
+
+
+def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
+    """Run prep and the state scan; returns (A, gcum, w, h per chunk, U per token, final state)."""
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N, n_chunks, cu, indices, offsets = layout
+    A, gcum, w, u = _prep(k, v, g, beta, layout, A, gcum)
     h = alloc.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
     v_new = alloc.empty_like(u)
     final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
-    kn.state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), k, w, u, gcum, initial_state, h, v_new,
-             final_state, cu, offsets, T, bucket=_bucket(N * Hv), HAS_H0=initial_state is not None, **consts)
+    _kernels(k).state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), k, w, u, gcum, initial_state, h, v_new,
+                      final_state, cu, offsets, T, bucket=_bucket(N * Hv), HAS_H0=initial_state is not None,
+                      HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
     return A, gcum, w, h, v_new, final_state
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool):
-    """Launch the forward; returns (o, final_state, A, gcum). Inputs contiguous, checked by the caller."""
+    """Launch the forward; returns (o, final_state, A, gcum). Inputs contiguous, checked by the caller.
+
+    The per-chunk states are not kept (the backward recomputes them from A and gcum), so the scan
+    writes the output directly (``_gdn_fwd_state_output_kernel``) instead of storing the states and
+    U for a separate output pass.
+    """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if use_qk_l2norm:
         q, _ = l2norm_fwd(q)
         k, _ = l2norm_fwd(k)
     layout = _varlen_layout(cu_seqlens, B, T, q.device)
-    n_chunks, cu, indices = layout[1], layout[2], layout[3]
-    A, gcum, _, h, v_new, final_state = _wy_and_states(q, k, v, g, beta, initial_state, layout)
+    N, cu, offsets = layout[0], layout[2], layout[4]
+    A, gcum, w, u = _prep(k, v, g, beta, layout)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
-    _kernels(q).output(lambda m: (triton.cdiv(V, m["BV"]), n_chunks, Hv), q, k, v_new, h, gcum, o, cu, indices,
-                       T, scale, bucket=_bucket(n_chunks), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
-                       IS_VARLEN=cu is not None)
+    final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
+    _kernels(q).state_output(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, initial_state, o,
+                             final_state, cu, offsets, T, scale, bucket=_bucket(N * Hv),
+                             HAS_H0=initial_state is not None, HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
+                             IS_VARLEN=cu is not None)
     return o, final_state, A, gcum
 
 

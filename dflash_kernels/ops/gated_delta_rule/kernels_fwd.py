@@ -11,8 +11,10 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
     o  = scale (diag(exp(G)) Q S0 + tril(Q K^T * Gamma) U)
     S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U       the state at the chunk end
 
-Four kernels: ``solve`` (G and A) and ``wu`` (w, u), parallel over chunks; ``state`` (the sequential
-S0 -> S1 scan, parallel over sequences, heads and V blocks); ``output`` (parallel over chunks).
+Kernels: ``solve`` (G and A) and ``wu`` (w, u), parallel over chunks; ``state_output`` (the forward's
+sequential S0 -> S1 scan, parallel over sequences, heads and V blocks, writing o as it goes); ``state``
+(the same scan storing S0 and U per chunk, for the backward's recompute) and ``output`` (o from stored
+S0 and U, parallel over chunks).
 
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
@@ -305,3 +307,59 @@ def _gdn_fwd_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, o_ptr,
     b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]
     b_o += tl.dot(b_P.to(b_vnew.dtype), b_vnew)
     tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_fwd_state_output_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, o_ptr, ht_ptr,
+                                 cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
+                                 HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                 BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                                 HAS_H0: tl.constexpr, BV: tl.constexpr):
+    """The forward's state scan with the output fused in (the backward recomputes the states).
+
+    Per chunk it computes what ``_gdn_fwd_state_kernel`` and ``_gdn_fwd_output_kernel`` compute, with
+    the same roundings (the state and U cast to the input precision before their products), but keeps
+    the chunk's start state and U in registers instead of writing them out and reading them back.
+    """
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_hk = i_h // (HV // HK)
+    bos, seqlen, boh = sequence_bounds(i_n, T, cu_seqlens_ptr, chunk_offsets_ptr, BT, IS_VARLEN)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_i = tl.arange(0, BT)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    o_kv = o_k[:, None] * V + o_v[None, :]
+    if HAS_H0:
+        b_h = tl.load(h0_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, mask=m_kv, other=0).to(tl.float32)
+    else:
+        b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    dt = k_ptr.dtype.element_ty
+    for i_t in range(tl.cdiv(seqlen, BT)):
+        o_t = i_t * BT + o_i
+        m_t = o_t < seqlen
+        rows = bos + o_t
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_k = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
+        b_q = tl.load(q_ptr + p_k, mask=m_tk, other=0)
+        b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
+        b_w = tl.load(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_u = tl.load(u_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+        last = tl.minimum(i_t * BT + BT, seqlen) - 1
+        b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
+
+        b_hd = b_h.to(dt)
+        b_vnew = (b_u - tl.dot(b_w, b_hd)).to(dt)
+        causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
+        b_P = tl.dot(b_q, tl.trans(b_k))
+        b_P = tl.where(causal, b_P * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+        b_o = tl.dot(b_q, b_hd) * tl.exp(b_G)[:, None]
+        b_o += tl.dot(b_P.to(dt), b_vnew)
+        tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
+
+        b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
+        b_h = b_h * tl.exp(b_Glast) + tl.dot(tl.trans(b_kd), b_vnew)
+    tl.store(ht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_h, mask=m_kv)
