@@ -304,8 +304,9 @@ def _sync(dev):
 # Kernel-name fragments -> the category a profile row is counted in (first match wins).
 CATEGORIES = [("gdn", ("gdn", "chunk_gated", "chunk_fwd", "chunk_bwd", "recompute_w_u", "solve_tril",
                        "chunk_scaled_dot", "l2norm", "fused_recurrent")),
-              ("conv", ("conv1d", "causal_conv", "_conv_")),
-              ("attention", ("attn", "flex", "flash", "sdpa", "softmax", "triton_tem_fused", "block_mask")),
+              ("conv", ("conv1d", "causal_conv", "_conv_", "convparams")),
+              ("loss", ("softmax", "nll_loss", "cross_entropy")),
+              ("attention", ("attn", "flex", "flash", "sdpa", "triton_tem_fused", "block_mask")),
               ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul", "_mm_")),
               ("elementwise", ("elementwise", "vectorized", "reduce", "triton_poi", "triton_red", "triton_per",
                                "copy", "fill", "index", "cat", "embedding", "adam", "foreach"))]

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["position_weights", "block_inputs", "block_labels", "dflash_loss"]
+__all__ = ["position_weights", "block_inputs", "block_labels", "dflash_loss", "dflash_head_loss"]
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -65,6 +65,79 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tenso
     loss = (ce * w).sum() / wsum.clamp_min(1e-12)
     with torch.no_grad():
         hit = (logits.detach().argmax(-1).view(B, N, bs) == labels) & counted
+        n = counted.sum()
+        per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
+        stats = {"acc": (hit.sum().float() / n.clamp_min(1)).item(), "acc_by_pos": per_pos.cpu(),
+                 "tokens": int(n)}
+    return loss, stats
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """sum_r w_r * CE(hidden_r @ W^T + b, label_r) over row chunks; the hidden gradient is made in forward.
+
+    Per chunk: the logits in W's dtype (what ``lm_head`` gives), an fp32 copy for log-sum-exp and the
+    softmax, then (softmax - onehot) * w cast to W's dtype times W: the same products and casts as
+    autograd through ``lm_head`` + :func:`dflash_loss`, with one chunk of logits alive at a time
+    instead of the whole ``[rows, vocab]`` in two precisions and their gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, w, chunk_rows: int):
+        need_grad = ctx.needs_input_grad[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        pred = torch.empty_like(labels)
+        dhidden = torch.empty_like(hidden) if need_grad else None
+        for r0 in range(0, hidden.shape[0], chunk_rows):
+            r1 = min(r0 + chunk_rows, hidden.shape[0])
+            logits = F.linear(hidden[r0:r1].to(weight.dtype), weight, bias)
+            pred[r0:r1] = logits.argmax(-1)
+            lab = labels[r0:r1, None]
+            lf = logits.float()
+            del logits
+            lse = torch.logsumexp(lf, -1, keepdim=True)
+            loss += ((lse - lf.gather(1, lab)).squeeze(1) * w[r0:r1]).sum()
+            if need_grad:
+                p = lf.sub_(lse).exp_()  # the softmax, in place of the fp32 logits
+                p.scatter_add_(1, lab, torch.full_like(lab, -1, dtype=p.dtype))
+                p.mul_(w[r0:r1, None])
+                dhidden[r0:r1] = (p.to(weight.dtype) @ weight).to(hidden.dtype)
+            del lf
+        ctx.save_for_backward(dhidden)
+        ctx.mark_non_differentiable(pred)
+        return loss, pred
+
+    @staticmethod
+    def backward(ctx, dloss, dpred):
+        (dhidden,) = ctx.saved_tensors
+        return dhidden * dloss.to(dhidden.dtype), None, None, None, None, None
+
+
+def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor,
+                     gamma: float, bias=None, chunk_rows: int = 2048):
+    """:func:`dflash_loss` of ``logits = hidden @ weight^T + bias`` without materializing the logits.
+
+    Args:
+        hidden: ``[B, N * bs, H]`` draft states (differentiable); weight ``[V, H]`` (and bias ``[V]``) the
+            frozen LM head. Only the counted rows are projected: the others have weight 0.
+        chunk_rows: rows per chunk (each chunk holds ``chunk_rows x V`` logits in fp32 and W's dtype).
+    Returns:
+        ``(loss, stats)`` as :func:`dflash_loss`.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    B, N, bs = labels.shape
+    if hidden.shape[:2] != (B, N * bs):
+        raise ValueError(f"hidden: expected [B, N * bs, H] = [{B}, {N * bs}, H], got {tuple(hidden.shape)}")
+    wpos = position_weights(bs, gamma).to(hidden.device)[None, None, :] * counted
+    rows = counted.reshape(-1).nonzero().squeeze(1)
+    wsum = wpos.sum()
+    w = (wpos.reshape(-1)[rows] / wsum.clamp_min(1e-12)).float()
+    loss, pred = _HeadCrossEntropy.apply(hidden.reshape(B * N * bs, -1)[rows], weight, bias,
+                                         labels.reshape(-1)[rows], w, chunk_rows)
+    with torch.no_grad():
+        hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
+        hit[rows] = pred == labels.reshape(-1)[rows]
+        hit = hit.view(B, N, bs)
         n = counted.sum()
         per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
         stats = {"acc": (hit.sum().float() / n.clamp_min(1)).item(), "acc_by_pos": per_pos.cpu(),

@@ -123,6 +123,9 @@ class Heads:
     def lm_head(self, h):
         return self._head(h.to(self._head.weight.dtype))
 
+    def lm_head_params(self):
+        return self._head.weight, getattr(self._head, "bias", None)
+
 
 def _get(q: queue.Queue, sup: Supervisor):
     while True:

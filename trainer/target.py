@@ -50,6 +50,11 @@ class Target:
         head = self.model.get_output_embeddings()
         return head(h.to(head.weight.dtype))
 
+    def lm_head_params(self):
+        """The output layer's ``(weight [V, H], bias [V] or None)``, for the chunked loss."""
+        head = self.model.get_output_embeddings()
+        return head.weight, getattr(head, "bias", None)
+
     def _select(self, hidden_states):
         return torch.cat([hidden_states[i + 1] for i in self.layer_ids], -1)
 

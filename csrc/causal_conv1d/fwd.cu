@@ -95,15 +95,12 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
 // arithmetic: no shuffles, no lane special-cases, 4 words of DRAM reads in flight per thread.
 template <typename T, int W>
 __global__ void __launch_bounds__(kCfThreads, 6)
-fwd_channel_first_fast_kernel(const DflashConvParams p, const int64_t n_tiles) {
+fwd_channel_first_fast_kernel(const DflashConvParams p) {
     constexpr int N = 16 / sizeof(T);
     constexpr int C = kCfFastChunks;
     constexpr int64_t kTile = cf_fast_tile<T>();
-    // One flat grid, the tiles of a row fastest: blocks resident together read consecutive memory.
-    // (Rows on x and tiles on y had every resident block one row, i.e. a power-of-two stride,
-    // apart: 2.5 TB/s on the H200 against 3.9 for the same work walked in address order.)
-    const int64_t row = blockIdx.x / n_tiles, tile = blockIdx.x - row * n_tiles;
-    const int64_t b = row / p.dim, d = row - b * p.dim;
+    const int64_t tile = blockIdx.y, n_tiles = gridDim.y;
+    const int64_t b = blockIdx.x / unsigned(p.dim), d = blockIdx.x - unsigned(b) * unsigned(p.dim);
     const int64_t T_ = p.seqlen;
     const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + d * p.x_sd;
     T* yr = static_cast<T*>(p.y) + b * p.y_sb + d * p.y_sd;
@@ -248,11 +245,11 @@ cudaError_t launch_fwd(const DflashConvParams& p, cudaStream_t stream) {
     const bool vec = vec_ok(p.x, p.x_sb, p.x_sd, p.x_st, cl, N, 16) &&
                      vec_ok(p.y, p.y_sb, p.y_sd, p.y_st, cl, N, 16);
     if (!cl) {
-        if (vec && p.seq_idx == nullptr) {  // one flat grid, the tiles of a row fastest
+        if (vec && p.seq_idx == nullptr) {  // rows on x (up to 2^31 - 1), tiles of a row on y
             const int64_t n_tiles = ceil_div(p.seqlen, cf_fast_tile<T>());
-            const int64_t blocks = p.batch * p.dim * n_tiles;
-            if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
-            fwd_channel_first_fast_kernel<T, W><<<unsigned(blocks), kCfThreads, 0, stream>>>(p, n_tiles);
+            if (p.batch * p.dim > 0x7fffffffLL || n_tiles > 65535) return cudaErrorInvalidValue;
+            const dim3 grid(unsigned(p.batch * p.dim), unsigned(n_tiles));
+            fwd_channel_first_fast_kernel<T, W><<<grid, kCfThreads, 0, stream>>>(p);
             return cudaGetLastError();
         }
         const int64_t n_tiles = ceil_div(p.seqlen, cf_tile<T>());

@@ -353,6 +353,19 @@ def test_choose_conv_impl_measures_once_and_persists(monkeypatch, tmp_path):
     conv_cuda.reset_choices()
 
 
+def test_choose_conv_impl_untimed_takes_triton(monkeypatch, tmp_path):
+    """DFLASH_KERNELS_TUNE=0: no timing, and the path measured faster on the H200 (Triton) is taken."""
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
+    conv_cuda.reset_choices()
+
+    def no_timing(fn):
+        raise AssertionError("timed although tuning is off")
+    assert conv_cuda.choose_conv_impl(("fwd", "untimed"), torch.device("cpu"), lambda: "triton", lambda: "cuda",
+                                      timer=no_timing) == "triton"
+    conv_cuda.reset_choices()
+
+
 def test_choose_conv_impl_strict_mode_raises(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
     conv_cuda.reset_choices()

@@ -2,10 +2,12 @@
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.loss import dflash_loss, position_weights
+from tests.helpers import rel_err
+from trainer.loss import dflash_head_loss, dflash_loss, position_weights
 
 
 def test_position_weights():
@@ -44,3 +46,64 @@ def test_loss_without_counted_positions_is_zero():
     logits = torch.randn(1, 4, 7)
     loss, st = dflash_loss(logits, torch.zeros(1, 1, 4, dtype=torch.long), torch.zeros(1, 1, 4, dtype=torch.bool), 7.0)
     assert loss.item() == 0 and st["tokens"] == 0
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 5, 4096])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_head_loss_matches_lm_head_then_loss(chunk_rows, with_bias):
+    """The chunked head + loss equals F.linear + dflash_loss: loss, accuracy stats and the hidden gradient."""
+    torch.manual_seed(1)
+    B, N, bs, H, V, gamma = 2, 3, 7, 24, 53, 3.0
+    hidden = torch.randn(B, N * bs, H, dtype=torch.float64)
+    weight = torch.randn(V, H, dtype=torch.float64) / H ** 0.5
+    bias = torch.randn(V, dtype=torch.float64) if with_bias else None
+    labels = torch.randint(0, V, (B, N, bs))
+    counted = torch.rand(B, N, bs) > 0.3
+    counted[..., 0] = False
+    counted[1, 2] = False  # a padding block
+    # make some predictions right so the accuracy is not trivially 0
+    labels[0, 0, 1:] = F.linear(hidden[0, 1:bs], weight, bias).argmax(-1)
+
+    h_ref = hidden.clone().requires_grad_()
+    ref, st_ref = dflash_loss(F.linear(h_ref, weight, bias), labels, counted, gamma)
+    ref.backward()
+    h = hidden.clone().requires_grad_()
+    got, st = dflash_head_loss(h, weight, labels, counted, gamma, bias=bias, chunk_rows=chunk_rows)
+    got.backward()
+    assert rel_err(got, ref) < 1e-6
+    assert st["acc"] == st_ref["acc"] > 0 and st["tokens"] == st_ref["tokens"]
+    assert torch.equal(st["acc_by_pos"], st_ref["acc_by_pos"])
+    assert rel_err(h.grad, h_ref.grad) < 1e-6  # both take the CE in fp32
+    assert torch.equal(h.grad.abs().sum(-1).view(B, N, bs) > 0, counted), "uncounted rows get no gradient"
+
+
+def test_head_loss_low_precision_head_and_no_counted_rows():
+    torch.manual_seed(2)
+    B, N, bs, H, V = 1, 4, 5, 16, 40
+    hidden = torch.randn(B, N * bs, H)
+    weight = (torch.randn(V, H) / 4).to(torch.bfloat16)
+    labels = torch.randint(0, V, (B, N, bs))
+    counted = torch.ones(B, N, bs, dtype=torch.bool)
+    counted[..., 0] = False
+    h_ref = hidden.clone().requires_grad_()
+    ref, _ = dflash_loss(F.linear(h_ref.to(weight.dtype), weight), labels, counted, 7.0)
+    ref.backward()
+    h = hidden.clone().requires_grad_()
+    got, _ = dflash_head_loss(h, weight, labels, counted, 7.0, chunk_rows=3)
+    got.backward()
+    assert rel_err(got, ref) < 1e-5 and rel_err(h.grad, h_ref.grad) < 1e-2
+    none = torch.zeros_like(counted)
+    h0 = hidden.clone().requires_grad_()
+    loss, st = dflash_head_loss(h0, weight, labels, none, 7.0)
+    loss.backward()
+    assert loss.item() == 0 and st["tokens"] == 0 and not h0.grad.any()
+
+
+def test_head_loss_bad_arguments():
+    hidden = torch.randn(1, 8, 4)
+    labels = torch.zeros(1, 2, 4, dtype=torch.long)
+    counted = torch.ones(1, 2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        dflash_head_loss(hidden, torch.randn(5, 4), labels, counted, 7.0, chunk_rows=0)
+    with pytest.raises(ValueError, match="hidden"):
+        dflash_head_loss(torch.randn(1, 7, 4), torch.randn(5, 4), labels, counted, 7.0)
