@@ -341,7 +341,7 @@ def profile_steps(step, n: int, dev, label: str, log) -> None:
         cats[category(name)] = cats.get(category(name), 0.0) + ms
     log(f"    profile {label}: {total:.1f} device ms per step; " +
         ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda x: -x[1])))
-    for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:25]:
+    for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:15]:
         log(f"      {ms:8.2f} ms  {category(name):11s} {name[:110]}")
 
 
