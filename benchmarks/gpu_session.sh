@@ -12,7 +12,8 @@
 #   tok_s  the main job
 # Usage: bash benchmarks/gpu_session.sh [comma list of stages]   (default: all of the above)
 # Knobs: PYTEST_ARGS (default "tests"), PYTEST_WORKERS, T_TEST (per test), TRAIN_ARGS, PIPE_ARGS, TOKS_ARGS
-# (default "--preset embedded"), T_<STAGE> seconds. The embedded default is read from
+# (default "--preset embedded"), T_<STAGE> seconds (T_CC1D=0 skips the causal-conv1d peer, T_FLA for fla's conv;
+# GDN_TUNE=0 times the gdn stage untuned). The embedded default is read from
 # $XDG_CACHE_HOME/dflash_trainer when a prebuilt one travels in .cache/. Logs and rows go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session_out}
@@ -89,8 +90,8 @@ if has conv; then
     timeout 60 python3 -m pytest tests/ops/test_conv1d_cuda.py -q -p no:cacheprovider -rfE 2>&1 | tail -3 | tee "$OUT/ext_pytest.log"
     DFLASH_KERNELS_BACKEND=conv1d=cuda T_OPS=${T_CONV:-40} ops conv-cuda python3 benchmarks/ops.py conv --impls dflash
   fi
-  T_OPS=30 ops conv-causal_conv1d python3 benchmarks/ops.py conv --impls causal_conv1d
-  T_OPS=40 ops conv-fla python3 benchmarks/ops.py conv --impls fla
+  [ "${T_CC1D:-30}" -gt 0 ] && T_OPS=${T_CC1D:-30} ops conv-causal_conv1d python3 benchmarks/ops.py conv --impls causal_conv1d
+  T_OPS=${T_FLA:-90} ops conv-fla python3 benchmarks/ops.py conv --impls fla
 fi
 has attention && T_OPS=${T_ATTENTION:-130} ops attention python3 benchmarks/ops.py attention
 has gdn && DFLASH_KERNELS_TUNE=${GDN_TUNE:-1} T_OPS=${T_GDN:-130} ops gdn python3 benchmarks/ops.py gdn

@@ -53,7 +53,9 @@ def test_logits_and_gradients_match_transformers(model):
         out.square().mean().backward()
     finally:
         routing.undo()
-    assert rel_err(out, ref) < 1e-4
+    # fp32 on a GPU: the kernels' fp32 products run on tensor cores in tf32 (10-bit mantissa), the
+    # reference's torch matmuls in full fp32 (H200: 1.9e-4 measured); the interpreter is exact fp32.
+    assert rel_err(out, ref) < (1e-3 if out.is_cuda else 1e-4)
     for name, g in ref_grads.items():
         got = dict(model.named_parameters())[name].grad
         assert rel_err(got, g) < 1e-3, name
