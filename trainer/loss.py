@@ -75,11 +75,10 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tenso
 class _HeadCrossEntropy(torch.autograd.Function):
     """sum_r w_r * CE(hidden_r @ W^T + b, label_r) over row chunks; the hidden gradient is made in forward.
 
-    Per chunk: the logits in W's dtype (what ``lm_head`` gives), torch's fused log-softmax read from
-    them into fp32 (no separate fp32 copy), and its fused backward writing the logits' gradient in
-    W's dtype, times W: the same products and casts as autograd through ``lm_head`` +
-    :func:`dflash_loss`, with one chunk of logits alive at a time instead of the whole
-    ``[rows, vocab]`` in two precisions and their gradients.
+    Per chunk: the logits in W's dtype (what ``lm_head`` gives), an fp32 copy for log-sum-exp and the
+    softmax, then (softmax - onehot) * w cast to W's dtype times W: the same products and casts as
+    autograd through ``lm_head`` + :func:`dflash_loss`, with one chunk of logits alive at a time
+    instead of the whole ``[rows, vocab]`` in two precisions and their gradients.
     """
 
     @staticmethod
@@ -92,15 +91,17 @@ class _HeadCrossEntropy(torch.autograd.Function):
             r1 = min(r0 + chunk_rows, hidden.shape[0])
             logits = F.linear(hidden[r0:r1].to(weight.dtype), weight, bias)
             pred[r0:r1] = logits.argmax(-1)
-            with torch.enable_grad():
-                logits.requires_grad_(need_grad)
-                logp = torch.log_softmax(logits, -1, dtype=torch.float32)
-                chunk_loss = -(logp.gather(1, labels[r0:r1, None]).squeeze(1) * w[r0:r1]).sum()
-                if need_grad:
-                    (dlogits,) = torch.autograd.grad(chunk_loss, logits)
-                    dhidden[r0:r1] = (dlogits @ weight).to(hidden.dtype)
-            loss += chunk_loss.detach()
-            del logits, logp
+            lab = labels[r0:r1, None]
+            lf = logits.float()
+            del logits
+            lse = torch.logsumexp(lf, -1, keepdim=True)
+            loss += ((lse - lf.gather(1, lab)).squeeze(1) * w[r0:r1]).sum()
+            if need_grad:
+                p = lf.sub_(lse).exp_()  # the softmax, in place of the fp32 logits
+                p.scatter_add_(1, lab, torch.full_like(lab, -1, dtype=p.dtype))
+                p.mul_(w[r0:r1, None])
+                dhidden[r0:r1] = (p.to(weight.dtype) @ weight).to(hidden.dtype)
+            del lf
         ctx.save_for_backward(dhidden)
         ctx.mark_non_differentiable(pred)
         return loss, pred

@@ -5,7 +5,7 @@ every document through the target alone and limit each draft block's context to 
 import torch
 
 from trainer.config import TrainConfig
-from trainer.loss import block_inputs, block_labels, dflash_head_loss
+from trainer.loss import block_inputs, block_labels, dflash_head_loss, dflash_loss
 from trainer.target import Target
 
 __all__ = ["forward_loss", "target_features", "drafter_loss", "attention_precompile_specs"]
@@ -39,8 +39,10 @@ def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainCon
         masks = packed_drafter_masks(drafter, anchors, batch["doc_ids"].to(dev, non_blocking=True), valid)
     with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda" and dtype != torch.float32):
         hidden = drafter(emb, feats, anchors, valid, masks=masks)
-    # The LM head and the loss in row chunks: the [rows, vocab] logits (248k columns for Qwen3.5) are
-    # never materialized whole, nor their fp32 copy and gradient.
+        if not cfg.chunked_loss:
+            return dflash_loss(heads.lm_head(hidden), labels, counted, cfg.gamma)
+    # Row chunks: the [rows, vocab] logits (248k columns for Qwen3.5) are never whole, nor their fp32
+    # copy and gradient (less memory; time about the same, see TrainConfig.chunked_loss).
     weight, bias = heads.lm_head_params()
     return dflash_head_loss(hidden, weight, labels, counted, cfg.gamma, bias=bias)
 
