@@ -12,9 +12,8 @@ import torch
 import triton
 
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import _gdn_bwd_local_kernel, _gdn_bwd_state_kernel
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_output_kernel, _gdn_fwd_solve_kernel,
-                                                             _gdn_fwd_state_kernel, _gdn_fwd_state_output_kernel,
-                                                             _gdn_fwd_wu_kernel)
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_solve_kernel, _gdn_fwd_state_kernel,
+                                                             _gdn_fwd_state_output_kernel, _gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import _l2norm_bwd_kernel, _l2norm_fwd_kernel
 from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
 from dflash_kernels.runtime.autograd import differentiable_op
@@ -60,8 +59,8 @@ class _Kernels:
         self.wu = make(_gdn_fwd_wu_kernel, "gdn_fwd_wu",
                        [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)],
                        [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
-        # The 8-warp BV <= 32 candidates of the scans and the 8-warp output ones are those that do not
-        # spill registers on sm_90 builds (benchmarks/sm90_resources.py); the tuner times them all.
+        # The 8-warp BV <= 32 candidates of the scans are those that do not spill registers on sm_90
+        # builds (benchmarks/sm90_resources.py); the tuner times them all.
         self.state = make(_gdn_fwd_state_kernel, "gdn_fwd_state",
                           [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
                            Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
@@ -70,14 +69,12 @@ class _Kernels:
         # runs launch it): BV=32 first read 1.555 / 1.822 ms untuned at B=4 / B=1 T=16384 against the
         # split state + output kernels' 1.503 / 1.678, while the tuned BV=64 scan took 667 us against
         # their 417 + 389.
+        # Single-stage candidates: less shared memory per program (sm90_resources.py), more programs per SM.
         self.state_output = make(_gdn_fwd_state_output_kernel, "gdn_fwd_state_output",
                                  [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
-                                  Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
+                                  Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
+                                  Config(BV=64, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)],
                                  [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
-        self.output = make(_gdn_fwd_output_kernel, "gdn_fwd_output",
-                           [Config(BV=64, num_warps=4), Config(BV=128, num_warps=8), Config(BV=32, num_warps=4),
-                            Config(BV=64, num_warps=8), Config(BV=32, num_warps=8)],
-                           [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_state = make(_gdn_bwd_state_kernel, "gdn_bwd_state",
                               [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
                                Config(BV=16, num_warps=4), Config(BV=16, num_warps=8)],

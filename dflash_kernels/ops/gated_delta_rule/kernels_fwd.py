@@ -13,8 +13,7 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
 
 Kernels: ``solve`` (G and A) and ``wu`` (w, u), parallel over chunks; ``state_output`` (the forward's
 sequential S0 -> S1 scan, parallel over sequences, heads and V blocks, writing o as it goes); ``state``
-(the same scan storing S0 and U per chunk, for the backward's recompute) and ``output`` (o from stored
-S0 and U, parallel over chunks).
+(the same scan storing S0 and U per chunk instead of o, for the backward's recompute).
 
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
@@ -277,39 +276,6 @@ def _gdn_fwd_state_kernel(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_output_kernel(q_ptr, k_ptr, vnew_ptr, h_ptr, gcum_ptr, o_ptr,
-                           cu_seqlens_ptr, chunk_indices_ptr, T, scale,
-                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr):
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (HV // HK)
-    bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < seqlen
-    rows = bos + o_t
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    m_tv = m_t[:, None] & (o_v < V)[None, :]
-
-    b_q = tl.load(q_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0)
-    b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0)
-    b_h = tl.load(h_ptr + (i_c.to(tl.int64) * HV + i_h) * (K * V) + o_k[:, None] * V + o_v[None, :],
-                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0)
-    p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-    b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
-    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
-
-    o_i = tl.arange(0, BT)
-    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
-    b_P = tl.dot(b_q, tl.trans(b_k))
-    b_P = tl.where(causal, b_P * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-    b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]
-    b_o += tl.dot(b_P.to(b_vnew.dtype), b_vnew)
-    tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
-
-
-@triton.jit(do_not_specialize=["T"])
 def _gdn_fwd_state_output_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, o_ptr, ht_ptr,
                                  cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
                                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -317,9 +283,9 @@ def _gdn_fwd_state_output_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, o
                                  HAS_H0: tl.constexpr, BV: tl.constexpr):
     """The forward's state scan with the output fused in (the backward recomputes the states).
 
-    Per chunk it computes what ``_gdn_fwd_state_kernel`` and ``_gdn_fwd_output_kernel`` compute, with
-    the same roundings (the state and U cast to the input precision before their products), but keeps
-    the chunk's start state and U in registers instead of writing them out and reading them back.
+    Per chunk it computes U and S1 as ``_gdn_fwd_state_kernel`` does and o from the formula above, with
+    the state and U cast to the input precision before their products; the chunk's start state and U
+    stay in registers (a split state + output pass would write both out and read them back).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
