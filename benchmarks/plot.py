@@ -4,7 +4,8 @@
   milliseconds of each implementation in the latest session that measured that op (rows stamped
   within ``SESSION_S`` of the newest one: a session runs each peer in a process of its own), the
   newest row per (implementation, shape, backend). Failed rows are listed under the chart.
-- ``tok_s-<GPU>.png`` from ``tok_s.jsonl``: tokens/s per preset and backend group, latest session.
+- ``tok_s-<GPU>.png`` from ``tok_s.jsonl``: tokens/s per preset and backend group, latest session
+  (rows tagged ``variant``, a non-default trainer setting, are left out).
 - ``loss-<run>.png`` for each ``train/*-metrics.jsonl``: the training loss and accuracy per step.
 Needs matplotlib (``pip install matplotlib``).
 """
@@ -113,7 +114,8 @@ def plot_tok_s(path, out_dir):
 
     by_gpu = defaultdict(list)
     for r in _read(path):
-        if isinstance(r.get("tok_s"), (int, float)):
+        # rows of a non-default trainer variant (tagged "variant") are kept in the file, not charted
+        if isinstance(r.get("tok_s"), (int, float)) and "variant" not in r:
             by_gpu[r.get("gpu", "?")].append(r)
     paths = []
     for gpu, rows in by_gpu.items():
