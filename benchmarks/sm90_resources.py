@@ -99,8 +99,8 @@ def gdn_cases():
     i32 = ("cu_seqlens_ptr", "chunk_indices_ptr", "chunk_offsets_ptr")
     common = dict(HK=16, HV=48, K=128, BT=64, BK=128, IS_VARLEN=False)
     for name, kern, extra in [("gdn_fwd_solve", kn.solve, {}), ("gdn_fwd_wu", kn.wu, {"V": 128}),
-                              ("gdn_fwd_state", kn.state, {"V": 128, "HAS_H0": False}),
-                              ("gdn_fwd_state_output", kn.state_output, {"V": 128, "HAS_H0": False}),
+                              ("gdn_fwd_state", kn.state, {"V": 128, "HAS_H0": False, "OUTPUT": False}),
+                              ("gdn_fwd_state_output", kn.state_output, {"V": 128, "HAS_H0": False, "OUTPUT": True}),
                               ("gdn_bwd_state", kn.bwd_state, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
                               ("gdn_bwd_local", kn.bwd_local, {"V": 128})]:
         types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale",))

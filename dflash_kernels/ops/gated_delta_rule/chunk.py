@@ -12,8 +12,8 @@ import torch
 import triton
 
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import _gdn_bwd_local_kernel, _gdn_bwd_state_kernel
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_solve_kernel, _gdn_fwd_state_kernel,
-                                                             _gdn_fwd_state_output_kernel, _gdn_fwd_wu_kernel)
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_scan_kernel, _gdn_fwd_solve_kernel,
+                                                             _gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import _l2norm_bwd_kernel, _l2norm_fwd_kernel
 from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
 from dflash_kernels.runtime.autograd import differentiable_op
@@ -61,7 +61,7 @@ class _Kernels:
                        [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         # The 8-warp BV <= 32 candidates of the scans are those that do not spill registers on sm_90
         # builds (benchmarks/sm90_resources.py); the tuner times them all.
-        self.state = make(_gdn_fwd_state_kernel, "gdn_fwd_state",
+        self.state = make(_gdn_fwd_scan_kernel, "gdn_fwd_state",
                           [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
                            Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
                           [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
@@ -70,7 +70,7 @@ class _Kernels:
         # split state + output kernels' 1.503 / 1.678, while the tuned BV=64 scan took 667 us against
         # their 417 + 389.
         # Single-stage candidates: less shared memory per program (sm90_resources.py), more programs per SM.
-        self.state_output = make(_gdn_fwd_state_output_kernel, "gdn_fwd_state_output",
+        self.state_output = make(_gdn_fwd_scan_kernel, "gdn_fwd_state_output",
                                  [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
                                   Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
                                   Config(BV=64, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)],
@@ -168,9 +168,10 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
     h = alloc.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
     v_new = alloc.empty_like(u)
     final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
-    _kernels(k).state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), k, w, u, gcum, initial_state, h, v_new,
-                      final_state, cu, offsets, T, bucket=_bucket(N * Hv), HAS_H0=initial_state is not None,
-                      HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+    _kernels(k).state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), None, k, w, u, gcum, initial_state, h, v_new,
+                      None, final_state, cu, offsets, T, 1.0, bucket=_bucket(N * Hv),
+                      HAS_H0=initial_state is not None, OUTPUT=False, HK=Hk, HV=Hv, K=K, V=V, BT=BT,
+                      BK=_block(K), IS_VARLEN=cu is not None)
     return A, gcum, w, h, v_new, final_state
 
 
@@ -178,8 +179,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     """Launch the forward; returns (o, final_state, A, gcum). Inputs contiguous, checked by the caller.
 
     The per-chunk states are not kept (the backward recomputes them from A and gcum), so the scan
-    writes the output directly (``_gdn_fwd_state_output_kernel``) instead of storing the states and
-    U for a separate output pass.
+    writes the output directly (``_gdn_fwd_scan_kernel`` with OUTPUT) instead of storing the states
+    and U for a separate output pass.
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
@@ -191,10 +192,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     A, gcum, w, u = _prep(k, v, g, beta, layout)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
-    _kernels(q).state_output(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, initial_state, o,
-                             final_state, cu, offsets, T, scale, bucket=_bucket(N * Hv),
-                             HAS_H0=initial_state is not None, HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
-                             IS_VARLEN=cu is not None)
+    _kernels(q).state_output(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, initial_state, None,
+                             None, o, final_state, cu, offsets, T, scale, bucket=_bucket(N * Hv),
+                             HAS_H0=initial_state is not None, OUTPUT=True, HK=Hk, HV=Hv, K=K, V=V, BT=BT,
+                             BK=_block(K), IS_VARLEN=cu is not None)
     return o, final_state, A, gcum
 
 

@@ -11,9 +11,9 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
     o  = scale (diag(exp(G)) Q S0 + tril(Q K^T * Gamma) U)
     S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U       the state at the chunk end
 
-Kernels: ``solve`` (G and A) and ``wu`` (w, u), parallel over chunks; ``state_output`` (the forward's
-sequential S0 -> S1 scan, parallel over sequences, heads and V blocks, writing o as it goes); ``state``
-(the same scan storing S0 and U per chunk instead of o, for the backward's recompute).
+Kernels: ``solve`` (G and A) and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential
+S0 -> S1 scan, parallel over sequences, heads and V blocks), which in the forward writes o as it goes
+and in the backward's recompute stores S0 and U per chunk instead.
 
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
@@ -234,58 +234,17 @@ def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_state_kernel(k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr,
-                          cu_seqlens_ptr, chunk_offsets_ptr, T,
-                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                          HAS_H0: tl.constexpr, BV: tl.constexpr):
-    """Sequential over the chunks of one sequence: stores each chunk's start state and its U."""
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // HV, i_nh % HV
-    i_hk = i_h // (HV // HK)
-    bos, seqlen, boh = sequence_bounds(i_n, T, cu_seqlens_ptr, chunk_offsets_ptr, BT, IS_VARLEN)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    o_kv = o_k[:, None] * V + o_v[None, :]
-    if HAS_H0:
-        b_h = tl.load(h0_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, mask=m_kv, other=0).to(tl.float32)
-    else:
-        b_h = tl.zeros([BK, BV], dtype=tl.float32)
-    dt = k_ptr.dtype.element_ty
-    for i_t in range(tl.cdiv(seqlen, BT)):
-        tl.store(h_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_h.to(h_ptr.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < seqlen
-        rows = bos + o_t
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_w = tl.load(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
-        p_u = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_u = tl.load(u_ptr + p_u, mask=m_tv, other=0).to(tl.float32)
-        b_vnew = b_u - tl.dot(b_w, b_h.to(dt))
-        tl.store(vnew_ptr + p_u, b_vnew.to(vnew_ptr.dtype.element_ty), mask=m_tv)
+def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, o_ptr, ht_ptr,
+                         cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
+                         HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                         HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr):
+    """The S0 -> S1 scan, sequential over the chunks of one sequence (parallel over sequences, heads
+    and V blocks), with the state and U cast to the input precision before their products.
 
-        last = tl.minimum(i_t * BT + BT, seqlen) - 1
-        b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
-        b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
-        b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0)
-        b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
-        b_h = b_h * tl.exp(b_Glast) + tl.dot(tl.trans(b_kd), b_vnew.to(dt))
-    tl.store(ht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_h, mask=m_kv)
-
-
-@triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_state_output_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, o_ptr, ht_ptr,
-                                 cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
-                                 HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                                 BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                                 HAS_H0: tl.constexpr, BV: tl.constexpr):
-    """The forward's state scan with the output fused in (the backward recomputes the states).
-
-    Per chunk it computes U and S1 as ``_gdn_fwd_state_kernel`` does and o from the formula above, with
-    the state and U cast to the input precision before their products; the chunk's start state and U
-    stay in registers (a split state + output pass would write both out and read them back).
+    OUTPUT (the forward): o of each chunk from the formula above, written as the scan goes; the
+    chunk's start state and U stay in registers (q_ptr, o_ptr used; h_ptr, vnew_ptr not).
+    Not OUTPUT (the backward's recompute): each chunk's start state (h) and U (vnew) are stored.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -302,29 +261,42 @@ def _gdn_fwd_state_output_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, o
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     dt = k_ptr.dtype.element_ty
     for i_t in range(tl.cdiv(seqlen, BT)):
+        if not OUTPUT:
+            tl.store(h_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_h.to(h_ptr.dtype.element_ty),
+                     mask=m_kv)
         o_t = i_t * BT + o_i
         m_t = o_t < seqlen
         rows = bos + o_t
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_k = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
-        b_q = tl.load(q_ptr + p_k, mask=m_tk, other=0)
-        b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
-        b_w = tl.load(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_u = tl.load(u_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
-        b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
         last = tl.minimum(i_t * BT + BT, seqlen) - 1
-        b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
+        # Loads placed as each variant's own kernel had them: the recompute's k and G only after U,
+        # so they are not live across its product (sm_90: 213 instead of 227 registers at BV=64).
+        if OUTPUT:
+            b_q = tl.load(q_ptr + p_k, mask=m_tk, other=0)
+            b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
+        b_w = tl.load(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
+        b_u = tl.load(u_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        if OUTPUT:
+            b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+            b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
 
         b_hd = b_h.to(dt)
         b_vnew = (b_u - tl.dot(b_w, b_hd)).to(dt)
-        causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
-        b_P = tl.dot(b_q, tl.trans(b_k))
-        b_P = tl.where(causal, b_P * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-        b_o = tl.dot(b_q, b_hd) * tl.exp(b_G)[:, None]
-        b_o += tl.dot(b_P.to(dt), b_vnew)
-        tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
+        if OUTPUT:
+            causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
+            b_P = tl.dot(b_q, tl.trans(b_k))
+            b_P = tl.where(causal, b_P * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+            b_o = tl.dot(b_q, b_hd) * tl.exp(b_G)[:, None]
+            b_o += tl.dot(b_P.to(dt), b_vnew)
+            tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
+        else:
+            tl.store(vnew_ptr + p_v, b_vnew.to(vnew_ptr.dtype.element_ty), mask=m_tv)
+            b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+            b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
+            b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
 
         b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
         b_h = b_h * tl.exp(b_Glast) + tl.dot(tl.trans(b_kd), b_vnew)
