@@ -65,11 +65,14 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tenso
     loss = (ce * w).sum() / wsum.clamp_min(1e-12)
     with torch.no_grad():
         hit = (logits.detach().argmax(-1).view(B, N, bs) == labels) & counted
-        n = counted.sum()
-        per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
-        stats = {"acc": (hit.sum().float() / n.clamp_min(1)).item(), "acc_by_pos": per_pos.cpu(),
-                 "tokens": int(n)}
-    return loss, stats
+    return loss, _stats(hit, counted)
+
+
+def _stats(hit: torch.Tensor, counted: torch.Tensor) -> dict:
+    """Top-1 accuracy over the counted positions, per block position, and their count."""
+    n = counted.sum()
+    per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
+    return {"acc": (hit.sum().float() / n.clamp_min(1)).item(), "acc_by_pos": per_pos.cpu(), "tokens": int(n)}
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
@@ -137,12 +140,7 @@ def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     with torch.no_grad():
         hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
         hit[rows] = pred == labels.reshape(-1)[rows]
-        hit = hit.view(B, N, bs)
-        n = counted.sum()
-        per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
-        stats = {"acc": (hit.sum().float() / n.clamp_min(1)).item(), "acc_by_pos": per_pos.cpu(),
-                 "tokens": int(n)}
-    return loss, stats
+    return loss, _stats(hit.view(B, N, bs), counted)
 
 
 def expected_accept_length(acc_by_pos: torch.Tensor) -> float:
