@@ -61,3 +61,28 @@ def test_flex_peer_matches_the_reference_attention():
     with torch.no_grad():
         out = drafter(emb, feats, anchors, valid)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,cat", [
+    ("_gdn_fwd_scan_kernel", "gdn"), ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gdn"),
+    ("recompute_w_u_fwd_kernel", "gdn"), ("l2norm_fwd_kernel", "gdn"),
+    ("causal_conv1d_fwd_kernel", "conv"),
+    ("void dflash::(anonymous namespace)::fwd_channel_last_kernel<__nv_bfloat16, 4>(DflashConvParams, long, bool)",
+     "conv"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "loss"),
+    ("_attn_bwd_dkdv_kernel", "attention"), ("triton_tem_fused_flex_attention_backward_1", "attention"),
+    ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+    ("Optimizer.step#AdamW.step", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "elementwise"),
+    ("Memset (Device)", "other"),
+])
+def test_profile_categories(name, cat):
+    """--profile's per-category sums: ours and the peers' kernel names land in the right category
+    (the conv's CUDA kernels carry "dflash" in their namespace and must not count as attention)."""
+    assert tok_s.category(name) == cat
+
+
+def test_profile_on_cpu_says_it_is_skipped():
+    lines = []
+    tok_s.profile_steps(lambda: None, 1, torch.device("cpu"), "tiny (a)", lines.append)
+    assert lines == ["    profile tiny (a): skipped (the device-time breakdown needs a GPU)"]
