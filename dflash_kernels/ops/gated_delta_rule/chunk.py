@@ -168,11 +168,18 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
     h = alloc.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
     v_new = alloc.empty_like(u)
     final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
-    _kernels(k).state(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), None, k, w, u, gcum, initial_state, h, v_new,
-                      None, final_state, cu, offsets, T, 1.0, bucket=_bucket(N * Hv),
-                      HAS_H0=initial_state is not None, OUTPUT=False, HK=Hk, HV=Hv, K=K, V=V, BT=BT,
-                      BK=_block(K), IS_VARLEN=cu is not None)
+    _scan(_kernels(k).state, None, k, w, u, gcum, initial_state, h, v_new, None, final_state, layout, 1.0)
     return A, gcum, w, h, v_new, final_state
+
+
+def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale: float):
+    """Launch ``_gdn_fwd_scan_kernel``: o given (forward) or h and v_new (the backward's recompute)."""
+    B, T, Hk, K = k.shape
+    Hv, V = u.shape[2], u.shape[3]
+    N, cu, offsets = layout[0], layout[2], layout[4]
+    kernel(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, h0, h, v_new, o, final_state, cu,
+           offsets, T, scale, bucket=_bucket(N * Hv), HAS_H0=h0 is not None, OUTPUT=o is not None, HK=Hk,
+           HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool):
@@ -188,14 +195,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
         q, _ = l2norm_fwd(q)
         k, _ = l2norm_fwd(k)
     layout = _varlen_layout(cu_seqlens, B, T, q.device)
-    N, cu, offsets = layout[0], layout[2], layout[4]
     A, gcum, w, u = _prep(k, v, g, beta, layout)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
-    final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
-    _kernels(q).state_output(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, initial_state, None,
-                             None, o, final_state, cu, offsets, T, scale, bucket=_bucket(N * Hv),
-                             HAS_H0=initial_state is not None, OUTPUT=True, HK=Hk, HV=Hv, K=K, V=V, BT=BT,
-                             BK=_block(K), IS_VARLEN=cu is not None)
+    final_state = alloc.empty(layout[0], Hv, K, V, dtype=torch.float32, device=k.device)
+    _scan(_kernels(q).state_output, q, k, w, u, gcum, initial_state, None, None, o, final_state, layout, scale)
     return o, final_state, A, gcum
 
 
