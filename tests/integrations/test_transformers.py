@@ -54,11 +54,13 @@ def test_logits_and_gradients_match_transformers(model):
     finally:
         routing.undo()
     # fp32 on a GPU: the kernels' fp32 products run on tensor cores in tf32 (10-bit mantissa), the
-    # reference's torch matmuls in full fp32 (H200: 1.9e-4 measured); the interpreter is exact fp32.
-    assert rel_err(out, ref) < (1e-3 if out.is_cuda else 1e-4)
+    # reference's torch matmuls in full fp32 (H200: logits 1.9e-4, the worst gradient, dt_bias of
+    # layer 0, 1.18e-3 measured); the interpreter is exact fp32.
+    tol_out, tol_grad = (1e-3, 5e-3) if out.is_cuda else (1e-4, 1e-3)
+    assert rel_err(out, ref) < tol_out
     for name, g in ref_grads.items():
         got = dict(model.named_parameters())[name].grad
-        assert rel_err(got, g) < 1e-3, name
+        assert rel_err(got, g) < tol_grad, name
     assert modeling_qwen3_5.causal_conv1d_fn is not ADAPTERS["causal_conv1d_fn"], "undo restores"
 
 

@@ -69,11 +69,11 @@ class _Kernels:
         # runs launch it): BV=32 first read 1.555 / 1.822 ms untuned at B=4 / B=1 T=16384 against the
         # split state + output kernels' 1.503 / 1.678, while the tuned BV=64 scan took 667 us against
         # their 417 + 389.
-        # Single-stage candidates: less shared memory per program (sm90_resources.py), more programs per SM.
+        # Two single-stage candidates (BV=64/32, 4 warps) were tried: tuning at B=4, T=4096 on the H200
+        # then died with an illegal memory access (2026-11-29, session 5), so they are not candidates.
         self.state_output = make(_gdn_fwd_scan_kernel, "gdn_fwd_state_output",
                                  [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
-                                  Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
-                                  Config(BV=64, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)],
+                                  Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
                                  [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_state = make(_gdn_bwd_state_kernel, "gdn_bwd_state",
                               [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
