@@ -113,6 +113,21 @@ __device__ __forceinline__ uint4 load16(const T* base, int n) {
     return *reinterpret_cast<const uint4*>(tmp);
 }
 
+// The whole word at base (16-byte aligned) when ok, else zeros: one predicated load, no branch, so
+// the compiler keeps a thread's loads in flight together (load16's partial-word loop does not).
+template <typename T>
+__device__ __forceinline__ uint4 load16_if(const T* base, bool ok) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (ok) v = *reinterpret_cast<const uint4*>(base);
+    return v;
+}
+
+// Stores N = 16 / sizeof(T) values as one 16-byte word at base (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store16(T* base, const float (&val)[16 / sizeof(T)]) {
+    store_vec<T, 16>(base, 1, 16 / sizeof(T), true, val);
+}
+
 // ---------------------------------------------------------------- scalar accessors (edges only)
 // Input of channel (b, d) at source time s, before any seq_idx masking: x for 0 <= s < T, the
 // initial state for 1 - W <= s < 0, zero elsewhere.

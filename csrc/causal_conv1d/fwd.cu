@@ -89,33 +89,39 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
     if (p.final_states != nullptr && tile == n_tiles - 1 && threadIdx.x == 0) write_final<T, W>(p, b, d);
 }
 
-// Channel-first fast path: 16-byte accesses legal (vec) and no seq_idx. Each thread owns
-// kCfFastChunks words of N times and issues all of their loads, plus the word just before each
-// (its W - 1 halo inputs; the neighbour's word, so an L1 hit, not DRAM traffic), before any
-// arithmetic: no shuffles, no lane special-cases, 4 words of DRAM reads in flight per thread.
+// Channel-first fast path: 16-byte accesses legal (vec), T a multiple of N and no seq_idx, so every
+// word is whole or wholly past T: plain predicated loads, no per-word branch. Each thread owns
+// kCfFastChunks words of N times and issues all of their loads before any arithmetic; lanes 1..31
+// take their W - 1 halo inputs from the lane below by shuffle, lane 0 loads the word before its own
+// (an L2 hit: the neighbouring warp's). The grid runs a row's tiles fastest, so resident blocks
+// stream one contiguous stretch of memory, as a copy does. H200, bf16, W=4, SiLU, B=8, D=10240,
+// T=16384: 1.81 ms through benchmarks/ops.py against 2.12 for the earlier version (every lane
+// loading its neighbour's word as the halo, rows fastest, at most 80 registers for 6 blocks per SM);
+// the stand-alone variant of benchmarks/experiments/conv_cuda_variants.cu (bf16 only, no initial
+// state) ran this layout in 1.47 ms, so 0.34 ms of the difference is still in the code that is here
+// and not there (the row-start halo load in the loop is the first suspect; not measured yet).
 template <typename T, int W>
-__global__ void __launch_bounds__(kCfThreads, 6)
-fwd_channel_first_fast_kernel(const DflashConvParams p) {
+__global__ void __launch_bounds__(kCfThreads)
+fwd_channel_first_fast_kernel(const DflashConvParams p, const int64_t n_tiles) {
     constexpr int N = 16 / sizeof(T);
     constexpr int C = kCfFastChunks;
     constexpr int64_t kTile = cf_fast_tile<T>();
-    const int64_t tile = blockIdx.y, n_tiles = gridDim.y;
-    const int64_t b = blockIdx.x / unsigned(p.dim), d = blockIdx.x - unsigned(b) * unsigned(p.dim);
+    const int64_t row = blockIdx.x / n_tiles, tile = blockIdx.x - (blockIdx.x / n_tiles) * n_tiles;
+    const int64_t b = row / p.dim, d = row - (row / p.dim) * p.dim;
     const int64_t T_ = p.seqlen;
+    const int lane = threadIdx.x & 31;
     const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + d * p.x_sd;
     T* yr = static_cast<T*>(p.y) + b * p.y_sb + d * p.y_sd;
 
-    // Words stay packed until used; the halo word before each is the neighbour's (an L1 hit).
     uint4 xw[C], hw[C];
     int64_t t0[C];
 #pragma unroll
     for (int c = 0; c < C; ++c) {
         t0[c] = tile * kTile + (int64_t(c) * kCfThreads + threadIdx.x) * N;
-        const int64_t left = T_ - t0[c];
-        xw[c] = load16<T>(xr + t0[c], left <= 0 ? 0 : (left >= N ? N : int(left)));
+        xw[c] = load16_if<T>(xr + t0[c], t0[c] < T_);
     }
 #pragma unroll
-    for (int c = 0; c < C; ++c) hw[c] = load16<T>(xr + t0[c] - N, t0[c] >= N && t0[c] < T_ ? N : 0);
+    for (int c = 0; c < C; ++c) hw[c] = load16_if<T>(xr + t0[c] - N, lane == 0 && t0[c] >= N && t0[c] < T_);
     float w[W];
 #pragma unroll
     for (int i = 0; i < W; ++i) w[i] = weight_at(p, d, i);
@@ -123,13 +129,16 @@ fwd_channel_first_fast_kernel(const DflashConvParams p) {
 
 #pragma unroll
     for (int c = 0; c < C; ++c) {
-        if (t0[c] >= T_) continue;
         float xv[N], prev[N], halo[W - 1];
         unpack16<T>(xw[c], xv);
         unpack16<T>(hw[c], prev);
 #pragma unroll
-        for (int j = 0; j < W - 1; ++j)  // the row's first word: initial state or zeros
-            halo[j] = t0[c] >= N ? prev[N - (W - 1) + j] : src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+        for (int j = 0; j < W - 1; ++j) {
+            const float up = __shfl_up_sync(kFullMask, xv[N - (W - 1) + j], 1);
+            // lane 0: the word before, or at the row's start the initial state (zeros without one)
+            halo[j] = lane != 0 ? up : t0[c] >= N ? prev[N - (W - 1) + j] : src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+        }
+        if (t0[c] >= T_) continue;  // after the shuffles: every lane takes part in them
         float out[N];
 #pragma unroll
         for (int k = 0; k < N; ++k) {
@@ -141,8 +150,7 @@ fwd_channel_first_fast_kernel(const DflashConvParams p) {
             }
             out[k] = p.silu ? acc * sigmoid(acc) : acc;
         }
-        const int64_t left = T_ - t0[c];
-        store_vec<T, 16>(yr + t0[c], 1, left >= N ? N : int(left), left >= N, out);
+        store16<T>(yr + t0[c], out);
     }
     if (p.final_states != nullptr && tile == n_tiles - 1 && threadIdx.x == 0) write_final<T, W>(p, b, d);
 }
@@ -245,11 +253,10 @@ cudaError_t launch_fwd(const DflashConvParams& p, cudaStream_t stream) {
     const bool vec = vec_ok(p.x, p.x_sb, p.x_sd, p.x_st, cl, N, 16) &&
                      vec_ok(p.y, p.y_sb, p.y_sd, p.y_st, cl, N, 16);
     if (!cl) {
-        if (vec && p.seq_idx == nullptr) {  // rows on x (up to 2^31 - 1), tiles of a row on y
+        if (vec && p.seq_idx == nullptr && p.seqlen % N == 0) {  // one flat grid, a row's tiles fastest
             const int64_t n_tiles = ceil_div(p.seqlen, cf_fast_tile<T>());
-            if (p.batch * p.dim > 0x7fffffffLL || n_tiles > 65535) return cudaErrorInvalidValue;
-            const dim3 grid(unsigned(p.batch * p.dim), unsigned(n_tiles));
-            fwd_channel_first_fast_kernel<T, W><<<grid, kCfThreads, 0, stream>>>(p);
+            if (p.batch * p.dim * n_tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
+            fwd_channel_first_fast_kernel<T, W><<<unsigned(p.batch * p.dim * n_tiles), kCfThreads, 0, stream>>>(p, n_tiles);
             return cudaGetLastError();
         }
         const int64_t n_tiles = ceil_div(p.seqlen, cf_tile<T>());
