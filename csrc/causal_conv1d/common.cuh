@@ -102,19 +102,9 @@ __device__ __forceinline__ void unpack16(const uint4& word, float (&out)[16 / si
     for (int k = 0; k < N; ++k) out[k] = to_float(tmp[k]);
 }
 
-// Loads the word at base (16-byte aligned) when n == N; else its first n elements, zeros after.
-template <typename T>
-__device__ __forceinline__ uint4 load16(const T* base, int n) {
-    constexpr int N = 16 / sizeof(T);
-    if (n == N) return *reinterpret_cast<const uint4*>(base);
-    alignas(16) T tmp[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) tmp[k] = k < n ? base[k] : from_float<T>(0.f);
-    return *reinterpret_cast<const uint4*>(tmp);
-}
-
-// The whole word at base (16-byte aligned) when ok, else zeros: one predicated load, no branch, so
-// the compiler keeps a thread's loads in flight together (load16's partial-word loop does not).
+// The whole word at base (16-byte aligned) when ok, else zeros: one predicated load, no branch (the
+// forward with a partial-word branch per load instead: 1.864 against 1.811 ms at B=8, D=10240,
+// T=16384 on the H200; benchmarks/results/README.md, fifth session).
 template <typename T>
 __device__ __forceinline__ uint4 load16_if(const T* base, bool ok) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);

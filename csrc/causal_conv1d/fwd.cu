@@ -106,7 +106,7 @@ fwd_channel_first_fast_kernel(const DflashConvParams p, const int64_t n_tiles) {
     constexpr int N = 16 / sizeof(T);
     constexpr int C = kCfFastChunks;
     constexpr int64_t kTile = cf_fast_tile<T>();
-    const int64_t row = blockIdx.x / n_tiles, tile = blockIdx.x - (blockIdx.x / n_tiles) * n_tiles;
+    const int64_t row = blockIdx.x / n_tiles, tile = blockIdx.x - row * n_tiles;
     const int64_t b = row / p.dim, d = row - (row / p.dim) * p.dim;
     const int64_t T_ = p.seqlen;
     const int lane = threadIdx.x & 31;
