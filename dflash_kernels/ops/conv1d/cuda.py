@@ -150,8 +150,10 @@ def choose_conv_impl(bucket, device, run_triton, run_cuda, timer=_time_ms) -> st
         if saved is not None:
             impl = saved["impl"]
         elif not settings.tuning_enabled():
-            # No timing allowed: Triton, the faster path at every shape and layout measured on the
-            # H200 (benchmarks/results, 2026-11-29: e.g. B=8, D=10240, T=16384 fwd 1.36 vs 2.28 ms).
+            # No timing allowed: Triton, the faster forward at every shape and layout measured on the
+            # H200 and the faster backward at B >= 4 (benchmarks/results, 2026-11-29: B=8, D=10240,
+            # T=16384 fwd 1.37 vs 1.81 ms, fwd+bwd 3.90 vs 4.81); the CUDA backward wins at B=1,
+            # T=4096 (fwd+bwd 0.23 vs 0.38 ms), which the timed choice finds.
             impl = "triton"
         else:
             if settings.is_strict():
