@@ -221,6 +221,11 @@ bwd_channel_first_fast_kernel(const DflashConvParams p) {
     float dw[W], db = 0.f;
 #pragma unroll
     for (int i = 0; i < W; ++i) dw[i] = 0.f;
+    // The inputs before time 0 (initial state or zeros), read by lane 0 at the row's first word;
+    // loaded once here, not in the loop (a load there stalls the warp on every word).
+    float start[W - 1];
+#pragma unroll
+    for (int j = 0; j < W - 1; ++j) start[j] = chunk == 0 && lane == 0 ? src_x<T, W>(p, b, d, j - (W - 1)) : 0.f;
 
     for (int step = 0; step < kBwdSteps; ++step) {
         const int64_t base = (chunk * kBwdSteps + step) * kStep;
@@ -256,8 +261,7 @@ bwd_channel_first_fast_kernel(const DflashConvParams p) {
                 for (int j = 0; j < W - 1; ++j) {
                     const float up = __shfl_up_sync(kFullMask, xv[N - (W - 1) + j], 1);
                     // lane 0: the word before, or at the row's start the initial state (or zeros)
-                    win[j] = lane != 0 ? up
-                             : t0[c] >= N ? ev[N - (W - 1) + j] : src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+                    win[j] = lane != 0 ? up : t0[c] >= N ? ev[N - (W - 1) + j] : start[j];
                     const float dn = __shfl_down_sync(kFullMask, xv[j], 1);
                     win[W - 1 + N + j] = lane == 31 ? ev[j] : dn;
                     const float gd = __shfl_down_sync(kFullMask, gv[j], 1);
@@ -287,7 +291,21 @@ bwd_channel_first_fast_kernel(const DflashConvParams p) {
             }
             float dx[N];
 #pragma unroll
-            for (int k = 0; k < N; ++k) dx[k] = dx_at<W>(p, w, gg + k, b, d, t0[c] + k);
+            for (int k = 0; k < N; ++k) {
+                float acc = 0.f;
+#pragma unroll
+                for (int s = 0; s < W; ++s) acc += w[W - 1 - s] * gg[k + s];
+                dx[k] = acc;
+            }
+            // The final-state gradient adds to the last W - 1 times only: one test per word, not per time.
+            if (p.dfinal != nullptr && t0[c] + N > T_ - (W - 1)) {
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    const int64_t j = t0[c] + k - (T_ - (W - 1));
+                    if (j >= 0 && j < W - 1)
+                        dx[k] += load_any(p.dfinal, p.dfin_dtype, b * p.dfin_sb + d * p.dfin_sd + j * p.dfin_st);
+                }
+            }
             store16<T>(dxr + t0[c], dx);
         }
     }

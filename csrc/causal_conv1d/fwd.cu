@@ -90,69 +90,129 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
 }
 
 // Channel-first fast path: 16-byte accesses legal (vec), T a multiple of N and no seq_idx, so every
-// word is whole or wholly past T: plain predicated loads, no per-word branch. Each thread owns
-// kCfFastChunks words of N times and issues all of their loads before any arithmetic; lanes 1..31
-// take their W - 1 halo inputs from the lane below by shuffle, lane 0 loads the word before its own
-// (an L2 hit: the neighbouring warp's). The grid runs a row's tiles fastest, so resident blocks
-// stream one contiguous stretch of memory, as a copy does. H200, bf16, W=4, SiLU, B=8, D=10240,
-// T=16384: 1.81 ms through benchmarks/ops.py against 2.12 for the earlier version (every lane
-// loading its neighbour's word as the halo, rows fastest, at most 80 registers for 6 blocks per SM);
-// the stand-alone variant of benchmarks/experiments/conv_cuda_variants.cu (bf16 only, no initial
-// state) ran this layout in 1.47 ms, so 0.34 ms of the difference is still in the code that is here
-// and not there (the row-start halo load in the loop is the first suspect; not measured yet).
-template <typename T, int W>
-__global__ void __launch_bounds__(kCfThreads)
-fwd_channel_first_fast_kernel(const DflashConvParams p, const int64_t n_tiles) {
+// word is whole or wholly past T: plain predicated loads, no per-word branch. A block of THREADS
+// threads owns ITER consecutive tiles of THREADS * N * C times of one row; thread i holds word i of
+// each of the C stretches of THREADS words, and issues the next tile's loads before the current
+// tile's arithmetic. Lanes 1..31 take their W - 1 halo inputs from the lane below by shuffle, lane 0
+// loads the word before its own (an L1/L2 hit: the neighbouring warp's). The grid runs a row's tile
+// groups fastest, so resident blocks stream one contiguous stretch of memory, as a copy does.
+// Chosen by measurement (benchmarks/experiments/conv_fwd_study6.cu, H200, bf16, W=4, SiLU, D=10240;
+// a copy kernel of the same grid reaches 95-96% of cudaMemcpy), ms at B=1 T=4096 / B=4 T=4096 / B=8
+// T=16384: THREADS=64, C=2, ITER=4 0.0516 / 0.176 / 1.339 (92.6 / 92.9 / 93.8% of cudaMemcpy);
+// 128, 2, 4: 0.055 / 0.197 / 1.333; 128, 4, 1 (the previous kernel's shape): 0.054 / 0.189 / 1.446;
+// 128, 4, 4: 0.068 / 0.244 / 1.476; 256, 2, 4: 0.067 / 0.252 / 1.365. SILU is a template argument,
+// as in the variants measured.
+template <typename T, int W, int THREADS, int C, int ITER, bool SILU>
+__global__ void __launch_bounds__(THREADS)
+fwd_channel_first_fast_kernel(const DflashConvParams p, const int64_t n_groups) {
     constexpr int N = 16 / sizeof(T);
-    constexpr int C = kCfFastChunks;
-    constexpr int64_t kTile = cf_fast_tile<T>();
-    const int64_t row = blockIdx.x / n_tiles, tile = blockIdx.x - row * n_tiles;
+    constexpr int64_t kTile = int64_t(THREADS) * N * C;
+    const int64_t row = blockIdx.x / n_groups, group = blockIdx.x - row * n_groups;
     const int64_t b = row / p.dim, d = row - (row / p.dim) * p.dim;
     const int64_t T_ = p.seqlen;
     const int lane = threadIdx.x & 31;
     const T* xr = static_cast<const T*>(p.x) + b * p.x_sb + d * p.x_sd;
     T* yr = static_cast<T*>(p.y) + b * p.y_sb + d * p.y_sd;
 
+    // words of tile `tile` (zeros past T or when !go); lane 0 also the word before each of its own
+    auto fetch = [&](int64_t tile, bool go, uint4 (&xo)[C], uint4 (&ho)[C]) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const int64_t t0 = tile * kTile + (int64_t(c) * THREADS + threadIdx.x) * N;
+            xo[c] = load16_if<T>(xr + t0, go && t0 < T_);
+        }
+#pragma unroll
+        for (int c = 0; c < C; ++c) {
+            const int64_t t0 = tile * kTile + (int64_t(c) * THREADS + threadIdx.x) * N;
+            ho[c] = load16_if<T>(xr + t0 - N, go && lane == 0 && t0 >= N && t0 < T_);
+        }
+    };
     uint4 xw[C], hw[C];
-    int64_t t0[C];
-#pragma unroll
-    for (int c = 0; c < C; ++c) {
-        t0[c] = tile * kTile + (int64_t(c) * kCfThreads + threadIdx.x) * N;
-        xw[c] = load16_if<T>(xr + t0[c], t0[c] < T_);
-    }
-#pragma unroll
-    for (int c = 0; c < C; ++c) hw[c] = load16_if<T>(xr + t0[c] - N, lane == 0 && t0[c] >= N && t0[c] < T_);
+    fetch(group * ITER, true, xw, hw);
     float w[W];
 #pragma unroll
     for (int i = 0; i < W; ++i) w[i] = weight_at(p, d, i);
     const float bias = bias_at(p, d);
 
 #pragma unroll
-    for (int c = 0; c < C; ++c) {
-        float xv[N], prev[N], halo[W - 1];
-        unpack16<T>(xw[c], xv);
-        unpack16<T>(hw[c], prev);
+    for (int it = 0; it < ITER; ++it) {
+        const int64_t tile = group * ITER + it;
+        uint4 xn[C], hn[C];
+        if (it + 1 < ITER) fetch(tile + 1, (tile + 1) * kTile < T_, xn, hn);
 #pragma unroll
-        for (int j = 0; j < W - 1; ++j) {
-            const float up = __shfl_up_sync(kFullMask, xv[N - (W - 1) + j], 1);
-            // lane 0: the word before, or at the row's start the initial state (zeros without one)
-            halo[j] = lane != 0 ? up : t0[c] >= N ? prev[N - (W - 1) + j] : src_x<T, W>(p, b, d, t0[c] - (W - 1) + j);
+        for (int c = 0; c < C; ++c) {
+            const int64_t t0 = tile * kTile + (int64_t(c) * THREADS + threadIdx.x) * N;
+            float xv[N], prev[N], halo[W - 1];
+            unpack16<T>(xw[c], xv);
+            unpack16<T>(hw[c], prev);
+#pragma unroll
+            for (int j = 0; j < W - 1; ++j) {
+                const float up = __shfl_up_sync(kFullMask, xv[N - (W - 1) + j], 1);
+                // lane 0: the word before (zeros at the row's start; an initial state is fixed up below)
+                halo[j] = lane != 0 ? up : prev[N - (W - 1) + j];
+            }
+            if (t0 >= T_) continue;  // after the shuffles: every lane takes part in them
+            float out[N];
+#pragma unroll
+            for (int k = 0; k < N; ++k) {
+                float acc = bias;
+#pragma unroll
+                for (int i = 0; i < W; ++i) {
+                    const int j = k + i;  // window index: halo for j < W - 1, then this thread's inputs
+                    acc += w[i] * (j < W - 1 ? halo[j] : xv[j - (W - 1)]);
+                }
+                out[k] = SILU ? acc * sigmoid(acc) : acc;
+            }
+            store16<T>(yr + t0, out);
         }
-        if (t0[c] >= T_) continue;  // after the shuffles: every lane takes part in them
+        if (it + 1 < ITER) {
+#pragma unroll
+            for (int c = 0; c < C; ++c) {
+                xw[c] = xn[c];
+                hw[c] = hn[c];
+            }
+        }
+    }
+}
+
+// The fast kernel's row edges, one thread per (b, d) row, launched after it on the same stream and
+// only when asked for: with an initial state the row's first word again (the fast kernel used zeros
+// as its halo), the final state. In the fast kernel, this code (never taken there) cost 16 registers.
+template <typename T, int W, bool SILU>
+__global__ void __launch_bounds__(kCfThreads) fwd_channel_first_edges_kernel(const DflashConvParams p) {
+    constexpr int N = 16 / sizeof(T);
+    const int64_t row = int64_t(blockIdx.x) * kCfThreads + threadIdx.x;
+    if (row >= p.batch * p.dim) return;
+    const int64_t b = row / p.dim, d = row - b * p.dim;
+    if (p.init != nullptr) {
         float out[N];
 #pragma unroll
         for (int k = 0; k < N; ++k) {
-            float acc = bias;
-#pragma unroll
-            for (int i = 0; i < W; ++i) {
-                const int j = k + i;  // window index: halo for j < W - 1, then this thread's inputs
-                acc += w[i] * (j < W - 1 ? halo[j] : xv[j - (W - 1)]);
-            }
-            out[k] = p.silu ? acc * sigmoid(acc) : acc;
+            const float acc = pre_at<T, W>(p, b, d, k);
+            out[k] = SILU ? acc * sigmoid(acc) : acc;
         }
-        store16<T>(yr + t0[c], out);
+        store16<T>(static_cast<T*>(p.y) + b * p.y_sb + d * p.y_sd, out);
     }
-    if (p.final_states != nullptr && tile == n_tiles - 1 && threadIdx.x == 0) write_final<T, W>(p, b, d);
+    if (p.final_states != nullptr) write_final<T, W>(p, b, d);
+}
+
+template <typename T, int W>
+cudaError_t launch_fwd_fast(const DflashConvParams& p, cudaStream_t stream) {
+    constexpr int kThreads = 64, C = 2, ITER = 4;  // see the kernel's comment
+    const int64_t n_tiles = ceil_div(p.seqlen, int64_t(kThreads) * (16 / sizeof(T)) * C);
+    const int64_t n_groups = ceil_div(n_tiles, int64_t(ITER));
+    if (p.batch * p.dim * n_groups > 0x7fffffffLL) return cudaErrorInvalidValue;
+    const unsigned blocks = unsigned(p.batch * p.dim * n_groups);
+    const unsigned edge_blocks = unsigned(ceil_div(p.batch * p.dim, int64_t(kCfThreads)));
+    const bool edges = p.init != nullptr || p.final_states != nullptr;
+    if (p.silu) {
+        fwd_channel_first_fast_kernel<T, W, kThreads, C, ITER, true><<<blocks, kThreads, 0, stream>>>(p, n_groups);
+        if (edges) fwd_channel_first_edges_kernel<T, W, true><<<edge_blocks, kCfThreads, 0, stream>>>(p);
+    } else {
+        fwd_channel_first_fast_kernel<T, W, kThreads, C, ITER, false><<<blocks, kThreads, 0, stream>>>(p, n_groups);
+        if (edges) fwd_channel_first_edges_kernel<T, W, false><<<edge_blocks, kCfThreads, 0, stream>>>(p);
+    }
+    return cudaGetLastError();
 }
 
 template <typename T, int W>
@@ -254,10 +314,7 @@ cudaError_t launch_fwd(const DflashConvParams& p, cudaStream_t stream) {
                      vec_ok(p.y, p.y_sb, p.y_sd, p.y_st, cl, N, 16);
     if (!cl) {
         if (vec && p.seq_idx == nullptr && p.seqlen % N == 0) {  // one flat grid, a row's tiles fastest
-            const int64_t n_tiles = ceil_div(p.seqlen, cf_fast_tile<T>());
-            if (p.batch * p.dim * n_tiles > 0x7fffffffLL) return cudaErrorInvalidValue;
-            fwd_channel_first_fast_kernel<T, W><<<unsigned(p.batch * p.dim * n_tiles), kCfThreads, 0, stream>>>(p, n_tiles);
-            return cudaGetLastError();
+            return launch_fwd_fast<T, W>(p, stream);
         }
         const int64_t n_tiles = ceil_div(p.seqlen, cf_tile<T>());
         const int64_t blocks = p.batch * p.dim * n_tiles;

@@ -16,12 +16,6 @@ constexpr int kCfChunks = 2;
 template <typename T>
 __host__ __device__ constexpr int64_t cf_tile() { return int64_t(kCfThreads) * (16 / sizeof(T)) * kCfChunks; }
 
-// The channel-first fast kernels (16-byte accesses, no seq_idx) keep more words per thread in
-// flight: kCfFastChunks stretches of kCfThreads * N times per block.
-constexpr int kCfFastChunks = 4;
-
-template <typename T>
-__host__ __device__ constexpr int64_t cf_fast_tile() { return int64_t(kCfThreads) * (16 / sizeof(T)) * kCfFastChunks; }
 
 // Channel-last ([B, T, D] in memory): a block is 32 lanes across channels (N each) by kClRows
 // rows of threads, each walking its own run of L consecutive times with the last W - 1 inputs

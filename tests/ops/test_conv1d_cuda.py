@@ -72,10 +72,12 @@ def test_forward_backward(cuda_backend, B, D, T, W, activation, bias, dtype):
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("W", [2, 3, 4], ids=lambda w: f"W{w}")
-@pytest.mark.parametrize("T", [1, 2, 45, 2049, 5000], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("T", [1, 2, 45, 2049, 5000, 8200], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("channel_last", [False, True], ids=["cf", "cl"])
 def test_initial_and_final_states(cuda_backend, channel_last, T, W, dtype):
-    # T = 2049 and 5000 cross the channel-first tiles (2048 bf16 times) and the warp edges inside them.
+    # T = 2049 and 5000 cross the channel-first tiles (2048 bf16 times) and the warp edges inside them;
+    # 5000 and 8200 (multiples of 8) take the fast forward, 8200 its four-tiles-per-block form with a
+    # last group of one partial tile, and the separate row-edges kernel (initial and final states).
     _check_all(2, 12, T, W, dtype, init=True, final=True, channel_last=channel_last)
 
 

@@ -150,10 +150,11 @@ def choose_conv_impl(bucket, device, run_triton, run_cuda, timer=_time_ms) -> st
         if saved is not None:
             impl = saved["impl"]
         elif not settings.tuning_enabled():
-            # No timing allowed: Triton, the faster forward at every shape and layout measured on the
-            # H200 and the faster backward at B >= 4 (benchmarks/results, 2026-11-29: B=8, D=10240,
-            # T=16384 fwd 1.37 vs 1.81 ms, fwd+bwd 3.90 vs 4.81); the CUDA backward wins at B=1,
-            # T=4096 (fwd+bwd 0.23 vs 0.38 ms), which the timed choice finds.
+            # No timing allowed: Triton. On the H200 (benchmarks/results, session 6) the channel-first
+            # forwards are within 5% of each other (B=8, D=10240, T=16384: 1.358 Triton vs 1.353 ms
+            # CUDA), the CUDA channel-last path is 3-5x slower, and fwd+bwd splits by shape (B=8:
+            # Triton 3.81 vs CUDA 4.12 ms; B=4, T=4096: CUDA 0.54 vs 0.60-0.78): the timed choice
+            # finds the faster per bucket; untimed, the one without a slow layout is the safe default.
             impl = "triton"
         else:
             if settings.is_strict():
