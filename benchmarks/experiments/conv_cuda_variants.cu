@@ -12,42 +12,21 @@
 #include <vector>
 
 #include "fwd.cu"
+#include "study_harness.cuh"
 #include "bwd.cu"
-
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
 
 namespace var {
 
 using T = __nv_bfloat16;
 constexpr int W = 4;
 constexpr int N = 8;  // bf16 per 16-byte word
+using study::pack;
+using study::sig;
+using study::unpack;
 
 __device__ __forceinline__ uint4 ld16(const T* p, bool ok) {
     if (ok) return *reinterpret_cast<const uint4*>(p);
     return make_uint4(0, 0, 0, 0);
-}
-__device__ __forceinline__ void unpack(const uint4& w, float (&o)[N]) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        o[2 * i] = f.x;
-        o[2 * i + 1] = f.y;
-    }
-}
-__device__ __forceinline__ uint4 pack(const float (&v)[N]) {
-    uint4 w;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&w);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    return w;
 }
 template <bool STREAM>
 __device__ __forceinline__ uint4 ldw(const T* p, bool ok) {
@@ -59,7 +38,6 @@ __device__ __forceinline__ void stw(T* p, const uint4& v) {
     if (STREAM) __stcs(reinterpret_cast<uint4*>(p), v);
     else *reinterpret_cast<uint4*>(p) = v;
 }
-__device__ __forceinline__ float sig(float v) { return __fdividef(1.f, 1.f + __expf(-v)); }
 
 // Forward: a block of THREADS threads owns C stretches of THREADS * N times of one row (TILES_FAST:
 // the grid runs a row's tiles fastest, else rows fastest). Lanes 1..31 take their W - 1 halo inputs
@@ -614,36 +592,6 @@ __global__ void __launch_bounds__(128) bwd_rows(const DflashConvParams p) {
 }
 }  // namespace var
 
-__global__ void fill_kernel(__nv_bfloat16* x, int64_t n, uint32_t seed, float scale) {
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-        x[i] = __float2bfloat16((float(h & 0xffff) / 65535.f - 0.5f) * scale);
-    }
-}
-
-template <typename F>
-float time_ms(F&& launch, int reps = 20) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int i = 0; i < 5; ++i) launch();
-    CK(cudaDeviceSynchronize());
-    std::vector<float> ms;
-    for (int i = 0; i < reps; ++i) {
-        CK(cudaEventRecord(a));
-        launch();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float t;
-        CK(cudaEventElapsedTime(&t, a, b));
-        ms.push_back(t);
-    }
-    CK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
-
 static std::vector<uint16_t> host(const void* dev, size_t n) {
     std::vector<uint16_t> h(n);
     CK(cudaMemcpy(h.data(), dev, n * 2, cudaMemcpyDeviceToHost));
@@ -663,6 +611,7 @@ static double max_diff_bf16(const std::vector<uint16_t>& a, const std::vector<ui
 }
 
 int main() {
+    constexpr int kReps = 20;  // cudaEvent timings per variant (median)
     using namespace var;
     const int64_t shapes[][3] = {{1, 10240, 4096}, {4, 10240, 4096}, {8, 10240, 16384}};
     for (auto& s : shapes) {
@@ -677,10 +626,10 @@ int main() {
         const int64_t max_parts = B * ((Tn + 1023) / 1024);
         CK(cudaMalloc(&dwp, max_parts * D * W * 4)); CK(cudaMalloc(&dbp, max_parts * D * 4));
         CK(cudaMalloc(&dwp2, max_parts * D * W * 4)); CK(cudaMalloc(&dbp2, max_parts * D * 4));
-        fill_kernel<<<1024, 256>>>(x, n, 1, 4.f);
-        fill_kernel<<<1024, 256>>>(dy, n, 2, 2.f);
-        fill_kernel<<<64, 256>>>(wgt, D * W, 3, 1.f);
-        fill_kernel<<<64, 256>>>(bias, D, 4, 1.f);
+        study::fill_kernel<<<1024, 256>>>(x, n, 1, 4.f);
+        study::fill_kernel<<<1024, 256>>>(dy, n, 2, 2.f);
+        study::fill_kernel<<<64, 256>>>(wgt, D * W, 3, 1.f);
+        study::fill_kernel<<<64, 256>>>(bias, D, 4, 1.f);
         CK(cudaDeviceSynchronize());
         DflashConvParams p{};
         p.batch = B; p.dim = D; p.seqlen = Tn; p.width = W; p.x_dtype = DFLASH_BF16; p.silu = 1;
@@ -691,9 +640,9 @@ int main() {
         p.dy = dy; p.dy_sb = p.dx_sb = D * Tn; p.dy_sd = p.dx_sd = Tn; p.dy_st = p.dx_st = 1;
         p.dx = dx; p.dweight_part = dwp; p.dbias_part = dbp;
         printf("== B=%lld D=%lld T=%lld (%.3f GB per tensor)\n", (long long)B, (long long)D, (long long)Tn, gb);
-        const float cp = time_ms([&] { CK(cudaMemcpyAsync(y2, x, n * 2, cudaMemcpyDeviceToDevice)); });
+        const float cp = study::time_ms([&] { CK(cudaMemcpyAsync(y2, x, n * 2, cudaMemcpyDeviceToDevice)); }, kReps);
         printf("copy            %.4f ms  %.3f TB/s\n", cp, 2 * gb / cp);
-        const float f0 = time_ms([&] { CK(dflash_causal_conv1d_fwd(&p, 0)); });
+        const float f0 = study::time_ms([&] { CK(dflash_causal_conv1d_fwd(&p, 0)); }, kReps);
         printf("fwd current     %.4f ms  %.3f TB/s\n", f0, 2 * gb / f0);
         const auto yref = check ? host(y, n) : std::vector<uint16_t>();
         DflashConvParams q = p;
@@ -708,7 +657,7 @@ int main() {
             go();
             CK(cudaDeviceSynchronize());
             const double err = check ? max_diff_bf16(yref, host(y2, n)) : -1;
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("fwd %-12s %.4f ms  %.3f TB/s  max|diff| %.3g\n", name, t, 2 * gb / t, err);
         };
         fwd_variant("s128x4", fwd_shfl<128, 4, 1, false>, 128, 128 * 8 * 4, false);
@@ -726,7 +675,7 @@ int main() {
             go();
             CK(cudaDeviceSynchronize());
             const double err = check ? max_diff_bf16(yref, host(y2, n)) : -1;
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("fwd %-12s %.4f ms  %.3f TB/s  max|diff| %.3g  (occ %d, grid %lld)\n", name, t, 2 * gb / t,
                    err, occ, (long long)grid);
         };
@@ -738,7 +687,7 @@ int main() {
             go();
             CK(cudaDeviceSynchronize());
             const double err = check ? max_diff_bf16(yref, host(y2, n)) : -1;
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("fwd %-12s %.4f ms  %.3f TB/s  max|diff| %.3g\n", name, t, 2 * gb / t, err);
         };
         fwd_rows_variant("r16x1", fwd_rows<16, 1>, 16, 256);
@@ -759,7 +708,7 @@ int main() {
             q.silu = 1;
         }
         if (getenv("ONLY_FWD")) continue;
-        const float b0 = time_ms([&] { CK(dflash_causal_conv1d_bwd(&p, 0)); });
+        const float b0 = study::time_ms([&] { CK(dflash_causal_conv1d_bwd(&p, 0)); }, kReps);
         printf("bwd current     %.4f ms  %.3f TB/s\n", b0, 3 * gb / b0);
         const auto dxref = check ? host(dx, n) : std::vector<uint16_t>();
         const int64_t parts0 = dflash_causal_conv1d_bwd_partials(&p);
@@ -789,7 +738,7 @@ int main() {
                 dwerr = std::max(dwerr, std::abs(acc - dwsum0[i]));
                 dwmax = std::max(dwmax, std::abs(dwsum0[i]));
             }
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("bwd %-12s %.4f ms  %.3f TB/s  max|ddx| %.3g  max|ddw| %.3g (of %.3g)\n", name, t,
                    3 * gb / t, err, dwerr, dwmax);
         };
@@ -816,7 +765,7 @@ int main() {
                 for (int64_t q2 = 0; q2 < B * nt; ++q2) acc += dw1[q2 * D * W + i];
                 dwerr = std::max(dwerr, std::abs(acc - dwsum0[i]));
             }
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("bwd %-12s %.4f ms  %.3f TB/s  max|ddx| %.3g  max|ddw| %.3g  (occ %d)\n", name, t, 3 * gb / t,
                    err, dwerr, occ);
         };
@@ -840,7 +789,7 @@ int main() {
                     dwerr = std::max(dwerr, std::abs(acc - dwsum0[i]));
                 }
             }
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("bwd %-12s %.4f ms  %.3f TB/s  max|ddx| %.3g  max|ddw| %.3g\n", name, t, 3 * gb / t, err, dwerr);
         };
         bwd_rows_variant("r16x1L4", bwd_rows<16, 1, 4>, 16, 256, 4);

@@ -14,21 +14,16 @@
 #include <vector>
 
 #include "fwd.cu"
-
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            exit(1);                                                                           \
-        }                                                                                      \
-    } while (0)
+#include "study_harness.cuh"
 
 namespace s6 {
 
 using T = __nv_bfloat16;
 constexpr int W = 4;
 constexpr int N = 8;  // bf16 per 16-byte word
+using study::pack;
+using study::sig;
+using study::unpack;
 
 // LOAD: 0 plain ld.global, 1 with the L2 256-byte prefetch hint, 2 read-only, no L1 allocation and
 // the 256-byte hint, 3 read-only (ld.global.nc).
@@ -50,25 +45,7 @@ __device__ __forceinline__ uint4 ld(const T* p, bool ok) {
     return v;
 }
 
-__device__ __forceinline__ void unpack(const uint4& w, float (&o)[N]) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(h[i]);
-        o[2 * i] = f.x;
-        o[2 * i + 1] = f.y;
-    }
-}
 
-__device__ __forceinline__ uint4 pack(const float (&v)[N]) {
-    uint4 w;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&w);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    return w;
-}
-
-__device__ __forceinline__ float sig(float v) { return __fdividef(1.f, 1.f + __expf(-v)); }
 
 // A block owns ITER consecutive tiles of THREADS * N * C times of one row; the grid runs a row's
 // tile groups fastest. Lanes 1..31 take the halo from the lane below, lane 0 loads the word before.
@@ -160,36 +137,6 @@ __global__ void __launch_bounds__(THREADS) copy_kernel(const DflashConvParams p,
 
 }  // namespace s6
 
-__global__ void fill_kernel(__nv_bfloat16* x, int64_t n, uint32_t seed, float scale) {
-    for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-        uint32_t h = uint32_t(i) * 2654435761u ^ seed;
-        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-        x[i] = __float2bfloat16((float(h & 0xffff) / 65535.f - 0.5f) * scale);
-    }
-}
-
-template <typename F>
-float time_ms(F&& launch, int reps = 30) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int i = 0; i < 5; ++i) launch();
-    CK(cudaDeviceSynchronize());
-    std::vector<float> ms;
-    for (int i = 0; i < reps; ++i) {
-        CK(cudaEventRecord(a));
-        launch();
-        CK(cudaEventRecord(b));
-        CK(cudaEventSynchronize(b));
-        float t;
-        CK(cudaEventElapsedTime(&t, a, b));
-        ms.push_back(t);
-    }
-    CK(cudaGetLastError());
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2];
-}
-
 static bool same_bits(const void* a, const void* b, size_t bytes) {
     std::vector<uint8_t> ha(bytes), hb(bytes);
     CK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
@@ -198,6 +145,7 @@ static bool same_bits(const void* a, const void* b, size_t bytes) {
 }
 
 int main() {
+    constexpr int kReps = 30;  // cudaEvent timings per variant (median)
     using namespace s6;
     const int64_t shapes[][3] = {{1, 10240, 4096}, {4, 10240, 4096}, {8, 10240, 16384}};
     for (auto& s : shapes) {
@@ -206,9 +154,9 @@ int main() {
         __nv_bfloat16 *x, *y, *y2, *wgt, *bias;
         CK(cudaMalloc(&x, n * 2)); CK(cudaMalloc(&y, n * 2)); CK(cudaMalloc(&y2, n * 2));
         CK(cudaMalloc(&wgt, D * W * 2)); CK(cudaMalloc(&bias, D * 2));
-        fill_kernel<<<1024, 256>>>(x, n, 1, 4.f);
-        fill_kernel<<<64, 256>>>(wgt, D * W, 3, 1.f);
-        fill_kernel<<<64, 256>>>(bias, D, 4, 1.f);
+        study::fill_kernel<<<1024, 256>>>(x, n, 1, 4.f);
+        study::fill_kernel<<<64, 256>>>(wgt, D * W, 3, 1.f);
+        study::fill_kernel<<<64, 256>>>(bias, D, 4, 1.f);
         CK(cudaDeviceSynchronize());
         DflashConvParams p{};
         p.batch = B; p.dim = D; p.seqlen = Tn; p.width = W; p.x_dtype = DFLASH_BF16; p.silu = 1;
@@ -217,9 +165,9 @@ int main() {
         p.bias = bias; p.bias_s = 1; p.bias_dtype = DFLASH_BF16;
         p.y = y; p.y_sb = D * Tn; p.y_sd = Tn; p.y_st = 1;
         printf("== B=%lld D=%lld T=%lld (%.3f GB per tensor)\n", (long long)B, (long long)D, (long long)Tn, gb);
-        const float cp = time_ms([&] { CK(cudaMemcpyAsync(y2, x, n * 2, cudaMemcpyDeviceToDevice)); });
+        const float cp = study::time_ms([&] { CK(cudaMemcpyAsync(y2, x, n * 2, cudaMemcpyDeviceToDevice)); }, kReps);
         printf("memcpy            %.4f ms  %.3f TB/s\n", cp, 2 * gb / cp);
-        const float f0 = time_ms([&] { CK(dflash_causal_conv1d_fwd(&p, 0)); });
+        const float f0 = study::time_ms([&] { CK(dflash_causal_conv1d_fwd(&p, 0)); }, kReps);
         printf("fwd library       %.4f ms  %.3f TB/s  %.1f%% of memcpy\n", f0, 2 * gb / f0, 100 * cp / f0);
         DflashConvParams q = p;
         q.y = y2;
@@ -230,7 +178,7 @@ int main() {
             go();
             CK(cudaDeviceSynchronize());
             const char* ok = !check ? "-" : same_bits(check ? y : x, y2, n * 2) ? "same" : "DIFFERENT";
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("%-17s %.4f ms  %.3f TB/s  %.1f%% of memcpy  %s\n", name, t, 2 * gb / t, 100 * cp / t, ok);
         };
         // copy kernels: compared with x (check=false would skip; the copy must equal x)
@@ -241,7 +189,7 @@ int main() {
             go();
             CK(cudaDeviceSynchronize());
             const bool ok = same_bits(x, y2, n * 2);
-            const float t = time_ms(go);
+            const float t = study::time_ms(go, kReps);
             printf("%-17s %.4f ms  %.3f TB/s  %.1f%% of memcpy  %s\n", name, t, 2 * gb / t, 100 * cp / t,
                    ok ? "same" : "DIFFERENT");
         };
