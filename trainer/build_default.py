@@ -135,72 +135,85 @@ def build(out_root: str, steps: int, vocab_size: int = 4096, seq_len: int = 256,
 
     cfg = target_config(len(tok))
     model = Qwen3_5ForCausalLM(cfg).to(device)
-    model.train()
-    train_chunks, held_chunks = train_chunks.to(device), held_chunks.to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(steps // 20, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(steps - warm, 1))))
-    g = torch.Generator().manual_seed(seed)
-    loss_start = _eval_loss(model, held_chunks, batch)
-    for step in range(steps):
-        idx = torch.randint(0, train_chunks.shape[0], (batch,), generator=g).to(device)
-        x = train_chunks[idx]
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if step % 25 == 0 or step == steps - 1:
-            log(f"build_default: target step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
-    loss_end = _eval_loss(model, held_chunks, batch)
-    model.eval()
-    log(f"build_default: held-out loss {loss_start:.3f} -> {loss_end:.3f} nats/token "
-        f"(perplexity {math.exp(loss_end):.1f})")
+    # On a GPU the target trains and generates on dflash_kernels' GDN and conv: transformers would
+    # otherwise take fla's when it is installed, whose GDN backward refuses Hopper with triton < 3.7.1
+    # (the main job died so on a fresh H200, session 6). On the CPU transformers' torch code stays (the
+    # kernels would need the Triton interpreter there).
+    routing = None
+    if torch.device(device).type == "cuda":
+        from dflash_kernels.integrations.transformers import use_dflash_kernels
+        routing = use_dflash_kernels(model)
+    try:
+        model.train()
+        train_chunks, held_chunks = train_chunks.to(device), held_chunks.to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        warm = max(steps // 20, 1)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: (s + 1) / warm if s < warm
+            else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(steps - warm, 1))))
+        g = torch.Generator().manual_seed(seed)
+        loss_start = _eval_loss(model, held_chunks, batch)
+        for step in range(steps):
+            idx = torch.randint(0, train_chunks.shape[0], (batch,), generator=g).to(device)
+            x = train_chunks[idx]
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if step % 25 == 0 or step == steps - 1:
+                log(f"build_default: target step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+        loss_end = _eval_loss(model, held_chunks, batch)
+        model.eval()
+        log(f"build_default: held-out loss {loss_start:.3f} -> {loss_end:.3f} nats/token "
+            f"(perplexity {math.exp(loss_end):.1f})")
 
-    tmp_target = os.path.join(out_root, "target.tmp")
-    model.cpu().save_pretrained(tmp_target)
-    tok.save_pretrained(tmp_target)
+        tmp_target = os.path.join(out_root, "target.tmp")
+        model.cpu().save_pretrained(tmp_target)
+        tok.save_pretrained(tmp_target)
 
-    # Prompts: prompt_len-token windows of held-out files, at fixed strides (not at file starts only).
-    n_prompts = n_train + n_eval
-    stride = max((held_ids.numel() - prompt_len) // n_prompts, 1)
-    prompts = [held_ids[i * stride: i * stride + prompt_len] for i in range(n_prompts)]
-    records = []
-    model.to(device)
-    for i in range(0, n_train, 32):
-        batch_prompts = torch.stack(prompts[i:min(i + 32, n_train)]).to(device)
-        gen = model.generate(batch_prompts, attention_mask=torch.ones_like(batch_prompts), max_new_tokens=gen_len,
-                             do_sample=False, pad_token_id=cfg.pad_token_id, eos_token_id=None)
-        for row in gen.tolist():
-            records.append({"input_ids": row, "loss_mask": [0] * prompt_len + [1] * (len(row) - prompt_len)})
-        log(f"build_default: regenerated {len(records)}/{n_train} responses ({time.time() - t0:.0f}s)")
-    paths = default_paths(os.path.dirname(out_root))
-    with open(paths["train"] + ".tmp", "w") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-    with open(paths["eval_prompts"] + ".tmp", "w") as f:
-        for p in prompts[n_train:]:
-            f.write(json.dumps({"input_ids": p.tolist()}) + "\n")
-    info = {"source": f"Python {sysconfig.get_python_version()} stdlib *.py ({len(train_files)} train files, "
-                      f"{len(held_files)} held out)", "tokens_train": int(train_ids.numel()),
-            "vocab_size": len(tok), "target": cfg.to_dict(), "steps": steps, "batch": batch, "seq_len": seq_len,
-            "heldout_loss_init": loss_start, "heldout_loss": loss_end, "train_records": len(records),
-            "eval_prompts": n_eval, "seconds": time.time() - t0,
-            "params": sum(p.numel() for p in model.parameters())}
-    # Publish: renames last, so an interrupted build never looks finished.
-    if os.path.isdir(paths["target"]):
-        import shutil
-        shutil.rmtree(paths["target"])
-    os.replace(tmp_target, paths["target"])
-    os.replace(paths["train"] + ".tmp", paths["train"])
-    os.replace(paths["eval_prompts"] + ".tmp", paths["eval_prompts"])
-    with open(paths["build"] + ".tmp", "w") as f:
-        json.dump(info, f, indent=1, default=str)
-    os.replace(paths["build"] + ".tmp", paths["build"])
-    log(f"build_default: done in {info['seconds']:.0f}s -> {out_root}")
-    return info
+        # Prompts: prompt_len-token windows of held-out files, at fixed strides (not at file starts only).
+        n_prompts = n_train + n_eval
+        stride = max((held_ids.numel() - prompt_len) // n_prompts, 1)
+        prompts = [held_ids[i * stride: i * stride + prompt_len] for i in range(n_prompts)]
+        records = []
+        model.to(device)
+        for i in range(0, n_train, 32):
+            batch_prompts = torch.stack(prompts[i:min(i + 32, n_train)]).to(device)
+            gen = model.generate(batch_prompts, attention_mask=torch.ones_like(batch_prompts), max_new_tokens=gen_len,
+                                 do_sample=False, pad_token_id=cfg.pad_token_id, eos_token_id=None)
+            for row in gen.tolist():
+                records.append({"input_ids": row, "loss_mask": [0] * prompt_len + [1] * (len(row) - prompt_len)})
+            log(f"build_default: regenerated {len(records)}/{n_train} responses ({time.time() - t0:.0f}s)")
+        paths = default_paths(os.path.dirname(out_root))
+        with open(paths["train"] + ".tmp", "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+        with open(paths["eval_prompts"] + ".tmp", "w") as f:
+            for p in prompts[n_train:]:
+                f.write(json.dumps({"input_ids": p.tolist()}) + "\n")
+        info = {"source": f"Python {sysconfig.get_python_version()} stdlib *.py ({len(train_files)} train files, "
+                          f"{len(held_files)} held out)", "tokens_train": int(train_ids.numel()),
+                "vocab_size": len(tok), "target": cfg.to_dict(), "steps": steps, "batch": batch, "seq_len": seq_len,
+                "heldout_loss_init": loss_start, "heldout_loss": loss_end, "train_records": len(records),
+                "eval_prompts": n_eval, "seconds": time.time() - t0,
+                "params": sum(p.numel() for p in model.parameters())}
+        # Publish: renames last, so an interrupted build never looks finished.
+        if os.path.isdir(paths["target"]):
+            import shutil
+            shutil.rmtree(paths["target"])
+        os.replace(tmp_target, paths["target"])
+        os.replace(paths["train"] + ".tmp", paths["train"])
+        os.replace(paths["eval_prompts"] + ".tmp", paths["eval_prompts"])
+        with open(paths["build"] + ".tmp", "w") as f:
+            json.dump(info, f, indent=1, default=str)
+        os.replace(paths["build"] + ".tmp", paths["build"])
+        log(f"build_default: done in {info['seconds']:.0f}s -> {out_root}")
+        return info
+    finally:
+        if routing is not None:
+            routing.undo()
 
 
 def ensure(cache_dir: str = DEFAULT_CACHE, steps: int = 150, force: bool = False, device="cpu", log=print) -> dict:

@@ -9,7 +9,7 @@ model with adapters onto :func:`dflash_kernels.causal_conv1d`, :func:`~dflash_ke
 (same layouts: ``[B, D, T]`` for the conv, ``[B, T, H, K]`` for the delta rule).
 
 The replacement is per modeling module, so it applies to every model of that architecture in the
-process; :meth:`KernelRouting.undo` restores transformers' functions.
+process; :meth:`KernelRouting.undo` restores transformers' functions (those that call patched).
 """
 
 import sys
@@ -56,18 +56,25 @@ _lock = threading.Lock()
 
 
 class KernelRouting:
-    """The modeling modules routed through dflash_kernels by one :func:`use_dflash_kernels` call."""
+    """The modeling modules routed through dflash_kernels by one :func:`use_dflash_kernels` call.
 
-    def __init__(self, modules):
+    ``undo()`` reverts what that call patched and nothing else: functions an earlier call had already
+    routed stay routed (so a helper that routes a model for a while, then undoes, leaves a caller's
+    routing in place).
+    """
+
+    def __init__(self, modules, patched=()):
         self.modules = sorted(modules)
+        self._patched = list(patched)  # (module name, global name) pairs this call replaced
 
     def undo(self) -> None:
-        """Put transformers' own functions back in these modules."""
+        """Put transformers' own functions back where this call replaced them."""
         with _lock:
-            for (module_name, name), fn in list(_originals.items()):
-                if module_name in self.modules:
-                    setattr(sys.modules[module_name], name, fn)
-                    del _originals[(module_name, name)]
+            for key in self._patched:
+                fn = _originals.pop(key, None)
+                if fn is not None:
+                    setattr(sys.modules[key[0]], key[1], fn)
+            self._patched = []
 
     def __repr__(self):
         return f"KernelRouting({self.modules})"
@@ -91,6 +98,7 @@ def use_dflash_kernels(model) -> KernelRouting:
     if not targets:
         raise ValueError(f"model: {type(model).__name__} has no layer that calls causal_conv1d_fn / "
                          f"torch_chunk_gated_delta_rule (Qwen3.5 / Qwen3-Next style); nothing to route")
+    patched = []
     with _lock:
         for module_name in targets:
             module = sys.modules[module_name]
@@ -98,4 +106,5 @@ def use_dflash_kernels(model) -> KernelRouting:
                 if hasattr(module, name) and (module_name, name) not in _originals:
                     _originals[(module_name, name)] = getattr(module, name)
                     setattr(module, name, adapter)
-    return KernelRouting(targets)
+                    patched.append((module_name, name))
+    return KernelRouting(targets, patched)

@@ -76,6 +76,20 @@ def test_cached_generation_matches(model):
     assert torch.equal(out, ref)
 
 
+def test_undo_reverts_only_its_own_routing(model):
+    # A helper that routes for a while (trainer.build_default on a GPU) must not unroute its caller.
+    outer = use_dflash_kernels(model)
+    try:
+        inner = use_dflash_kernels(model)
+        inner.undo()
+        for name, adapter in ADAPTERS.items():
+            assert getattr(modeling_qwen3_5, name) is adapter, name
+    finally:
+        outer.undo()
+    for name, adapter in ADAPTERS.items():
+        assert getattr(modeling_qwen3_5, name) is not adapter, name
+
+
 def test_model_without_linear_attention_is_refused():
     with pytest.raises(ValueError, match="model: Linear has no layer"):
         use_dflash_kernels(torch.nn.Linear(2, 2))
