@@ -116,6 +116,44 @@ def _bench_shape(s, device, dtype, quick, with_flex):
     return rows
 
 
+# The chip's attention ceiling in the same run: dense causal SDPA (ANCHORS.md: "8k x 8k, 32 heads").
+DENSE_SHAPE = dict(B=2, T=8192, H=32, D=128)
+
+
+def _bench_dense_causal(device, dtype, quick) -> list:
+    """Dense causal SDPA through each fused backend torch offers, forward and fwd+bwd, with the same
+    effective-FLOP count (visible pairs: T (T + 1) / 2 per sequence and head): what a block-sparse
+    kernel's effective TFLOP/s can be compared with."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    B, T, H, D = DENSE_SHAPE["B"], DENSE_SHAPE["T"], DENSE_SHAPE["H"], DENSE_SHAPE["D"]
+    q, k, v = (torch.randn(B, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    do = torch.randn(B, H, T, D, device=device, dtype=dtype)
+    flops = 4 * D * H * B * (T * (T + 1) // 2)
+    rows = []
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        row = {"op": "attention", "shape": f"B={B},T={T},H={H},D={D},causal dense",
+               "dtype": str(dtype), "visible_pairs": B * T * (T + 1) // 2, "impl": f"sdpa {name.lower()}"}
+        backend = getattr(SDPBackend, name)
+
+        def fwd():
+            with torch.no_grad(), sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def fwd_bwd():
+            with sdpa_kernel(backend):
+                torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), do)
+
+        try:
+            fwd_bwd()
+            _measure(row, fwd, fwd_bwd, flops, quick, device)
+        except Exception as e:  # noqa: BLE001 - a backend this build lacks: say so, keep the run going
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+    return rows
+
+
 def run(device, quick: bool) -> list:
     """Rows for ``benchmarks/ops.py attention``: ours and flex per shape (flex on CUDA only)."""
     device = torch.device(device)
@@ -131,6 +169,10 @@ def run(device, quick: bool) -> list:
         rows += new
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if device.type == "cuda":
+        for r in _bench_dense_causal(device, dtype, quick):
+            print("ROW", json.dumps(r), flush=True)
+            rows.append(r)
     return rows
 
 
