@@ -14,6 +14,7 @@ largest allocation above the inputs during one call. fla's backward refuses on H
 
 
 import json
+import os
 
 import torch
 from bench_common import bench_ms, peak_mib
@@ -43,9 +44,30 @@ def _inputs(s, device, dtype):
     return q, k, v, g, beta
 
 
-def _implementations():
+def _saving_states(fn):
+    """``fn`` with DFLASH_KERNELS_GDN_SAVE_STATES=1 during each call: its backward reuses the forward's
+    per-chunk states instead of recomputing them (the no-grad forward is the same as ``fn``'s)."""
+    def call(*args, **kwargs):
+        prev = os.environ.get("DFLASH_KERNELS_GDN_SAVE_STATES")
+        os.environ["DFLASH_KERNELS_GDN_SAVE_STATES"] = "1"
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if prev is None:
+                del os.environ["DFLASH_KERNELS_GDN_SAVE_STATES"]
+            else:
+                os.environ["DFLASH_KERNELS_GDN_SAVE_STATES"] = prev
+    return call
+
+
+def _ours():
     from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
-    impls = {"dflash_kernels": chunk_gated_delta_rule}
+    return {"dflash_kernels": chunk_gated_delta_rule,
+            "dflash_kernels[save states]": _saving_states(chunk_gated_delta_rule)}
+
+
+def _implementations():
+    impls = _ours()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         impls["fla"] = fla_chunk
@@ -101,8 +123,7 @@ def run(device, quick: bool) -> list:
         impls, dtype = _implementations(), torch.bfloat16
     else:
         shapes, dtype = [CPU_SHAPE], torch.float32
-        from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
-        impls = {"dflash_kernels": chunk_gated_delta_rule}
+        impls = _ours()
     rows = []
     for s in shapes:
         for name, fn in impls.items():

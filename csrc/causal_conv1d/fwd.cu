@@ -215,8 +215,12 @@ cudaError_t launch_fwd_fast(const DflashConvParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
+// At least two blocks of 256 threads per SM, so at most 128 registers: since the sigmoid moved to
+// __fdividef (faf793e) nvcc gave the bf16 / fp16 W=4 instance 141 (one block per SM), and the H200
+// timed this kernel ~40% slower (session 5: 0.25 / 0.75 / 5.3 ms against 0.17 / 0.52 / 3.7 in session
+// 4). With the bound: 128 registers, no spills (ptxas, sm_90). Not yet timed on a GPU.
 template <typename T, int W>
-__global__ void __launch_bounds__(kClLanes * kClRows)
+__global__ void __launch_bounds__(kClLanes * kClRows, 2)
 fwd_channel_last_kernel(const DflashConvParams p, const int64_t L, const bool vec) {
     constexpr int N = 16 / sizeof(T);
     constexpr int U = 4;  // time steps loaded together: U independent 16-byte loads in flight

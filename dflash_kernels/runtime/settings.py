@@ -34,6 +34,12 @@ def cache_dir() -> str:
     return path
 
 
+def gdn_save_states() -> bool:
+    """DFLASH_KERNELS_GDN_SAVE_STATES=1: the GDN forward keeps its per-chunk states for the backward
+    instead of the backward recomputing them (more memory, less time; fixed-length batches only)."""
+    return _env_flag("DFLASH_KERNELS_GDN_SAVE_STATES")
+
+
 def interpreting() -> bool:
     """True when Triton kernels run through the CPU interpreter (``TRITON_INTERPRET=1``)."""
     return _env_flag("TRITON_INTERPRET")

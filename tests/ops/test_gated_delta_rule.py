@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from dflash_kernels.ops.gated_delta_rule import chunk as gdn_chunk
 from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from dflash_kernels.runtime import alloc, resolve
 from tests.helpers import device, rel_err
@@ -100,6 +101,39 @@ CASES = [
 def test_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
     tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, normalized=not l2)
     _compare(tensors, dict(use_qk_l2norm_in_kernel=l2), final, dtype)
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", [c[1:] for c in CASES[::2]], ids=[c[0] for c in CASES[::2]])
+def test_saved_states_match_recompute(monkeypatch, B, T, Hk, Hv, K, V, dtype, l2, h0, final):
+    # DFLASH_KERNELS_GDN_SAVE_STATES=1: the forward keeps w, h and v_new; the backward must then give
+    # exactly what it gives when it recomputes them (same kernels, same order), and match the reference.
+    tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, normalized=not l2)
+    do = torch.randn(*tensors[2].shape, device=device())
+    dht = torch.randn(B, Hv, K, V, device=device())
+    kwargs = dict(use_qk_l2norm_in_kernel=l2)
+    o, ht, grads = _run(chunk_gated_delta_rule, tensors, kwargs, final, do, dht)
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_SAVE_STATES", "1")
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("the backward recomputed the states the forward was to keep")
+    monkeypatch.setattr(gdn_chunk, "_wy_and_states", no_recompute)
+    o_s, ht_s, grads_s = _run(chunk_gated_delta_rule, tensors, kwargs, final, do, dht)
+    assert torch.equal(o_s, o)
+    if final:
+        assert torch.equal(ht_s, ht)
+    for name, grad in grads.items():
+        assert torch.equal(grads_s[name], grad), name
+    _compare(tensors, kwargs, final, dtype)
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
+def test_forward_custom_op_checks(save):
+    # Schema, fake (the saved states' shapes) and autograd registration of the forward custom op.
+    q, k, v, g, beta, _ = _inputs(1, 70, 1, 2, 16, 16, torch.float32)
+    args = [t.requires_grad_() for t in (q, k, v, g, beta)] + [None, None, 16 ** -0.5, False, False, save]
+    result = torch.library.opcheck(gdn_chunk._gdn_chunk_fwd_op, tuple(args),
+                                   test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    assert set(result.values()) == {"SUCCESS"}, result
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

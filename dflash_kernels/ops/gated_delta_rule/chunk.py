@@ -15,7 +15,7 @@ from dflash_kernels.ops.gated_delta_rule.kernels_bwd import _gdn_bwd_local_kerne
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (_gdn_fwd_scan_kernel, _gdn_fwd_solve_kernel,
                                                              _gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import _l2norm_bwd_kernel, _l2norm_fwd_kernel
-from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
+from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve, settings
 from dflash_kernels.runtime.autograd import differentiable_op
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
@@ -173,21 +173,27 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
 
 
 def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale: float):
-    """Launch ``_gdn_fwd_scan_kernel``: o given (forward) or h and v_new (the backward's recompute)."""
+    """Launch ``_gdn_fwd_scan_kernel``: o given (forward), h and v_new given (the backward's recompute),
+    or all three (a training forward keeping the states for its backward)."""
     B, T, Hk, K = k.shape
     Hv, V = u.shape[2], u.shape[3]
     N, cu, offsets = layout[0], layout[2], layout[4]
     kernel(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, h0, h, v_new, o, final_state, cu,
            offsets, T, scale, bucket=_bucket(N * Hv), HAS_H0=h0 is not None, OUTPUT=o is not None, HK=Hk,
-           HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
+           HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None,
+           **({"SAVE": True} if o is not None and h is not None else {}))
 
 
-def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool):
-    """Launch the forward; returns (o, final_state, A, gcum). Inputs contiguous, checked by the caller.
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool,
+                               save_states: bool = False):
+    """Launch the forward; returns (o, final_state, A, gcum, w, h, v_new). Inputs contiguous, checked
+    by the caller.
 
-    The per-chunk states are not kept (the backward recomputes them from A and gcum), so the scan
-    writes the output directly (``_gdn_fwd_scan_kernel`` with OUTPUT) instead of storing the states
-    and U for a separate output pass.
+    By default the per-chunk states are not kept (the backward recomputes them from A and gcum;
+    w, h and v_new come back empty), so the scan writes the output directly (``_gdn_fwd_scan_kernel``
+    with OUTPUT). With ``save_states`` (not for ``cu_seqlens``) the scan also stores each chunk's
+    start state h and U (v_new), and w is returned, for the backward to skip its recompute: memory
+    for time (B=4, T=4096, Hv=48, K=V=128, bf16: 0.8 GB).
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
@@ -198,13 +204,23 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     A, gcum, w, u = _prep(k, v, g, beta, layout)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(layout[0], Hv, K, V, dtype=torch.float32, device=k.device)
-    _scan(_kernels(q).state_output, q, k, w, u, gcum, initial_state, None, None, o, final_state, layout, scale)
-    return o, final_state, A, gcum
+    if save_states:
+        if cu_seqlens is not None:
+            raise ValueError("save_states: not supported with cu_seqlens (the chunk count depends on its values)")
+        h = alloc.empty(layout[1], Hv, K, V, dtype=k.dtype, device=k.device)
+        v_new = alloc.empty_like(u)
+    else:
+        h = v_new = None
+    _scan(_kernels(q).state_output, q, k, w, u, gcum, initial_state, h, v_new, o, final_state, layout, scale)
+    if not save_states:  # three tensors: a custom op's outputs must not alias each other
+        w, h, v_new = (alloc.empty(0, dtype=q.dtype, device=q.device) for _ in range(3))
+    return o, final_state, A, gcum, w, h, v_new
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht,
-                               scale: float, use_qk_l2norm: bool):
-    """Launch the backward; returns (dq, dk, dv, dg, dbeta, dh0) with dh0 empty when there is no h0."""
+                               scale: float, use_qk_l2norm: bool, w=None, h=None, v_new=None):
+    """Launch the backward; returns (dq, dk, dv, dg, dbeta, dh0) with dh0 empty when there is no h0.
+    w, h, v_new: the forward's, when it kept them (non-empty); else they are recomputed here."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     q_in, k_in = q, k
@@ -213,7 +229,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
         k, k_rstd = l2norm_fwd(k_in)
     layout = _varlen_layout(cu_seqlens, B, T, q.device)
     N, n_chunks, cu, indices, offsets = layout
-    _, _, w, h, v_new, _ = _wy_and_states(q, k, v, g, beta, initial_state, layout, A=A, gcum=gcum)
+    if h is None or h.numel() == 0:
+        _, _, w, h, v_new, _ = _wy_and_states(q, k, v, g, beta, initial_state, layout, A=A, gcum=gcum)
     consts = dict(HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
 
     do = do.to(q.dtype).contiguous()
@@ -251,35 +268,41 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
 
 def _gdn_chunk_fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
-                        use_qk_l2norm: bool, output_final_state: bool
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm)
+                        use_qk_l2norm: bool, output_final_state: bool, save_states: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                   torch.Tensor, torch.Tensor]:
+    return chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm,
+                                      save_states)
 
 
 _gdn_chunk_fwd_op = torch.library.custom_op("dflash_kernels::gdn_chunk_fwd", mutates_args=())(_gdn_chunk_fwd_impl)
 
 
 @_gdn_chunk_fwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save_states):
     B, T, _, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if save_states:  # never with cu_seqlens: the chunk count is B * ceil(T / BT)
+        saved = (q.new_empty(B, T, Hv, K), q.new_empty(B * triton.cdiv(T, BT), Hv, K, V), q.new_empty(B, T, Hv, V))
+    else:
+        saved = (q.new_empty(0), q.new_empty(0), q.new_empty(0))
     return (q.new_empty(B, T, Hv, V), q.new_empty(N, Hv, K, V, dtype=torch.float32),
-            q.new_empty(B, T, Hv, BT, dtype=torch.float32), q.new_empty(B, T, Hv, dtype=torch.float32))
+            q.new_empty(B, T, Hv, BT, dtype=torch.float32), q.new_empty(B, T, Hv, dtype=torch.float32)) + saved
 
 
 @torch.library.custom_op("dflash_kernels::gdn_chunk_bwd", mutates_args=())
 def _gdn_chunk_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       initial_state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], A: torch.Tensor,
                       gcum: torch.Tensor, do: torch.Tensor, dht: Optional[torch.Tensor], scale: float,
-                      use_qk_l2norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                                    torch.Tensor, torch.Tensor]:
+                      use_qk_l2norm: bool, w: torch.Tensor, h: torch.Tensor, v_new: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht,
-                                      scale, use_qk_l2norm)
+                                      scale, use_qk_l2norm, w, h, v_new)
 
 
 @_gdn_chunk_bwd_op.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht, scale, use_qk_l2norm):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht, scale, use_qk_l2norm, w, h, v_new):
     dh0 = (torch.empty_like(initial_state, dtype=torch.float32) if initial_state is not None
            else q.new_empty(0, dtype=torch.float32))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
@@ -287,25 +310,25 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, do, dht, scale, use_
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state = inputs
-    _, _, A, gcum = output
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum)
+    q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, output_final_state, save_states = inputs
+    _, _, A, gcum, w, h, v_new = output
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, w, h, v_new)
     ctx.scale = scale
     ctx.use_qk_l2norm = use_qk_l2norm
     ctx.output_final_state = output_final_state
 
 
-def _backward(ctx, do, dht, dA, dgcum):
-    q, k, v, g, beta, initial_state, cu_seqlens, A, gcum = ctx.saved_tensors
+def _backward(ctx, do, dht, dA, dgcum, dw, dh, dv_new):
+    q, k, v, g, beta, initial_state, cu_seqlens, A, gcum, w, h, v_new = ctx.saved_tensors
     if not ctx.output_final_state:
         dht = None  # the public function dropped the final state: nothing flows back through it
     dq, dk, dv, dg, dbeta, dh0 = _gdn_chunk_bwd_op(q, k, v, g, beta, initial_state, cu_seqlens, A, gcum,
-                                                   do, dht, ctx.scale, ctx.use_qk_l2norm)
+                                                   do, dht, ctx.scale, ctx.use_qk_l2norm, w, h, v_new)
     if initial_state is None:
         dh0 = None
     else:
         dh0 = dh0.to(initial_state.dtype)
-    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
 
 
 # Eager calls take a plain autograd.Function, torch.compile the custom op (runtime/autograd.py).
@@ -410,9 +433,13 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                           cu_seqlens)
     if initial_state is not None:
         initial_state = initial_state.contiguous()
-    o, final_state, _, _ = _gdn_chunk_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-                                             beta.contiguous(), initial_state, cu_seqlens, scale,
-                                             bool(use_qk_l2norm_in_kernel), bool(output_final_state))
+    # Keep the forward's states for the backward (DFLASH_KERNELS_GDN_SAVE_STATES=1, fixed-length batches,
+    # when a gradient will be asked for): memory for the backward's recompute.
+    save = (settings.gdn_save_states() and cu_seqlens is None and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)))
+    o, final_state = _gdn_chunk_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                    beta.contiguous(), initial_state, cu_seqlens, scale,
+                                    bool(use_qk_l2norm_in_kernel), bool(output_final_state), save)[:2]
     return o, (final_state if output_final_state else None)
 
 

@@ -238,13 +238,14 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
                          cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr):
+                         HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False):
     """The S0 -> S1 scan, sequential over the chunks of one sequence (parallel over sequences, heads
     and V blocks), with the state and U cast to the input precision before their products.
 
     OUTPUT (the forward): o of each chunk from the formula above, written as the scan goes; the
     chunk's start state and U stay in registers (q_ptr, o_ptr used; h_ptr, vnew_ptr not).
     Not OUTPUT (the backward's recompute): each chunk's start state (h) and U (vnew) are stored.
+    OUTPUT and SAVE (a training forward that keeps them for the backward): both.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -261,7 +262,7 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     dt = k_ptr.dtype.element_ty
     for i_t in range(tl.cdiv(seqlen, BT)):
-        if not OUTPUT:
+        if (not OUTPUT) or SAVE:
             tl.store(h_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_h.to(h_ptr.dtype.element_ty),
                      mask=m_kv)
         o_t = i_t * BT + o_i
@@ -292,6 +293,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
             b_o = tl.dot(b_q, b_hd) * tl.exp(b_G)[:, None]
             b_o += tl.dot(b_P.to(dt), b_vnew)
             tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
+            if SAVE:
+                tl.store(vnew_ptr + p_v, b_vnew.to(vnew_ptr.dtype.element_ty), mask=m_tv)
         else:
             tl.store(vnew_ptr + p_v, b_vnew.to(vnew_ptr.dtype.element_ty), mask=m_tv)
             b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
