@@ -34,7 +34,13 @@ def compile_resources(fn, arg_types: dict, constexprs: dict, num_warps: int, num
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {p: "constexpr" if p in constexprs else arg_types.get(p, "i32") for p in inspect.signature(fn.fn).parameters}
+    params = inspect.signature(fn.fn).parameters
+    # Constexpr parameters left out take their defaults, as a launch does (else they would compile as
+    # runtime integers, their `if`s as runtime branches: spills that the real kernel does not have).
+    constexprs = {**{p: v.default for p, v in params.items()
+                     if p not in constexprs and v.default is not inspect.Parameter.empty
+                     and "constexpr" in str(v.annotation)}, **constexprs}
+    sig = {p: "constexpr" if p in constexprs else arg_types.get(p, "i32") for p in params}
     # Pointers 16-byte aligned, as the runtime's launches specialize them (torch allocations are): the
     # compiler then vectorizes loads, which changes register counts a lot.
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
@@ -101,9 +107,13 @@ def gdn_cases():
     for name, kern, extra in [("gdn_fwd_solve", kn.solve, {}), ("gdn_fwd_wu", kn.wu, {"V": 128}),
                               ("gdn_fwd_state", kn.state, {"V": 128, "HAS_H0": False, "OUTPUT": False}),
                               ("gdn_fwd_state_output", kn.state_output, {"V": 128, "HAS_H0": False, "OUTPUT": True}),
+                              ("gdn_fwd_solve[norm]", kn.solve, {"NORM": True}),
+                              ("gdn_fwd_wu[norm]", kn.wu, {"V": 128, "NORM": True}),
+                              ("gdn_fwd_state_output[norm]", kn.state_output,
+                               {"V": 128, "HAS_H0": False, "OUTPUT": True, "NORM": True}),
                               ("gdn_bwd_state", kn.bwd_state, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
                               ("gdn_bwd_local", kn.bwd_local, {"V": 128})]:
-        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale",))
+        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale", "eps"))
         for c in kern.configs:
             yield name, kern.fn, types, {**common, **extra, **c.meta}, c
 
