@@ -25,9 +25,6 @@ OP = "gdn"
 BT = 64  # chunk length: fixed, the per-chunk buffers (states, A) are laid out by it
 MAX_HEAD_DIM = 256
 L2NORM_EPS = 1e-6
-# The forward's l2norm of q and k (use_qk_l2norm_in_kernel): inside the solve, w/u and scan kernels as
-# they load them (True), or by the l2norm kernels first (False). A/B switch until measured on the GPU.
-_FWD_FUSED_NORM = False
 
 register_op(OP, peers={"fla": "fla.ops.gated_delta_rule"})
 
@@ -84,7 +81,10 @@ class _Kernels:
                               [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_local = make(_gdn_bwd_local_kernel, "gdn_bwd_local",
                               [Config(BV=32, BKB=64, num_warps=8), Config(BV=64, BKB=64, num_warps=8),
-                               Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8)],
+                               Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8),
+                               Config(BV=64, BKB=32, num_warps=8, maxnreg=128),
+                               Config(BV=32, BKB=32, num_warps=8, maxnreg=128),
+                               Config(BV=32, BKB=32, num_warps=16), Config(BV=64, BKB=32, num_warps=16)],
                               [Config(BV=16, BKB=64, num_warps=4, num_stages=1),
                                Config(BV=32, BKB=64, num_warps=4, num_stages=1)], Config(BV=16, BKB=16))
 
@@ -142,22 +142,20 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     return dx
 
 
-def _solve(k, g, beta, layout, norm: bool):
-    """(A fp32 [B, T, Hv, BT], gcum fp32 [B, T, Hv]) of every chunk; ``norm``: k is raw and l2-normalized
-    in the kernel."""
+def _solve(k, g, beta, layout):
+    """(A fp32 [B, T, Hv, BT], gcum fp32 [B, T, Hv]) of every chunk."""
     B, T, Hk, K = k.shape
     Hv = g.shape[2]
     N, n_chunks, cu, indices, offsets = layout
     A = alloc.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
     gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
-    _kernels(k).solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, L2NORM_EPS, bucket=_bucket(n_chunks),
-                      HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None, NORM=norm)
+    _kernels(k).solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, bucket=_bucket(n_chunks),
+                      HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
     return A, gcum
 
 
-def _prep(k, v, g, beta, layout, A=None, gcum=None, norm: bool = False):
-    """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U.
-    ``norm``: k is raw, l2-normalized inside the kernels."""
+def _prep(k, v, g, beta, layout, A=None, gcum=None):
+    """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
@@ -166,9 +164,9 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, norm: bool = False):
     u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
     kn = _kernels(k)
     if not load_a:
-        A, gcum = _solve(k, g, beta, layout, norm=norm)
-    kn.wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, L2NORM_EPS, bucket=_bucket(n_chunks),
-          HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None, NORM=norm)
+        A, gcum = _solve(k, g, beta, layout)
+    kn.wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=_bucket(n_chunks),
+          HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
     return A, gcum, w, u
 
 
@@ -185,7 +183,7 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None):
     return A, gcum, w, h, v_new, final_state
 
 
-def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale: float, norm: bool = False):
+def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale: float):
     """Launch ``_gdn_fwd_scan_kernel``: o given (forward), h and v_new given (the backward's recompute),
     or all three (a training forward keeping the states for its backward)."""
     B, T, Hk, K = k.shape
@@ -193,7 +191,7 @@ def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale:
     N, cu, offsets = layout[0], layout[2], layout[4]
     kernel(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, h0, h, v_new, o, final_state, cu,
            offsets, T, scale, bucket=_bucket(N * Hv), HAS_H0=h0 is not None, OUTPUT=o is not None,
-           HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None, NORM=norm, EPS=L2NORM_EPS,
+           HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None,
            **({"SAVE": True} if o is not None and h is not None else {}))
 
 
@@ -208,18 +206,18 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     start state h and U (v_new), and w is returned, for the backward to skip its recompute: memory
     for time (B=4, T=4096, Hv=48, K=V=128, bf16: 0.8 GB).
 
-    (Measured and dropped, session 7: one scan kernel with w and u folded in, U = A (diag(beta) V -
-    diag(beta exp(G)) K S0): 1.665 against 1.324 ms at B=4, T=4096; the scan is latency-bound and the
-    fold put two more products on its step-to-step chain.)
+    Measured on the H200 and dropped (session 7, B=4, T=4096, tuned): one scan kernel with w and u
+    folded in (U = A (diag(beta) V - diag(beta exp(G)) K S0)), 1.665 against 1.324 ms (the scan is
+    latency-bound: the fold put two more products on its step-to-step chain); the l2norm inside the
+    solve, w/u and scan kernels instead of its own kernels, 2.027 against 1.319 ms (the scan spilled).
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
-    norm = use_qk_l2norm and _FWD_FUSED_NORM
-    if use_qk_l2norm and not norm:
+    if use_qk_l2norm:
         q, _ = l2norm_fwd(q)
         k, _ = l2norm_fwd(k)
     layout = _varlen_layout(cu_seqlens, B, T, q.device)
-    A, gcum, w, u = _prep(k, v, g, beta, layout, norm=norm)
+    A, gcum, w, u = _prep(k, v, g, beta, layout)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(layout[0], Hv, K, V, dtype=torch.float32, device=k.device)
     if save_states:
@@ -229,8 +227,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
         v_new = alloc.empty_like(u)
     else:
         h = v_new = None
-    _scan(_kernels(q).state_output, q, k, w, u, gcum, initial_state, h, v_new, o, final_state, layout, scale,
-          norm=norm)
+    _scan(_kernels(q).state_output, q, k, w, u, gcum, initial_state, h, v_new, o, final_state, layout, scale)
     if not save_states:  # three tensors: a custom op's outputs must not alias each other
         w, h, v_new = (alloc.empty(0, dtype=q.dtype, device=q.device) for _ in range(3))
     return o, final_state, A, gcum, w, h, v_new

@@ -88,24 +88,6 @@ def _kk(k_ptr, r_i, m_i, r_j, m_j, i_hk, HK: tl.constexpr, K: tl.constexpr, BK: 
 
 
 @triton.jit
-def _rstd(x_ptr, rows, m_rows, i_hk, eps, HK: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """1 / sqrt(sum(x^2) + eps) of the given rows of head ``i_hk`` (the l2norm of ``kernels_l2norm.py``)."""
-    o_k = tl.arange(0, BK)
-    x = tl.load(x_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :],
-                mask=m_rows[:, None] & (o_k < K)[None, :], other=0).to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(x * x, 1) + eps)
-
-
-@triton.jit
-def _normalized(x, NORM: tl.constexpr, eps):
-    """x [rows, BK] (input precision) l2-normalized by row when NORM, rounded back to its precision."""
-    if NORM:
-        xf = x.to(tl.float32)
-        x = (xf * (1.0 / tl.sqrt(tl.sum(xf * xf, 1) + eps))[:, None]).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _l_tile(kk, beta_i, G_i, G_j, m_i, DIAG: tl.constexpr):
     """A tile of L = strictly_lower(diag(beta) K K^T * Gamma) from its tile ``kk`` of K K^T (fp32)."""
     keep = m_i[:, None]
@@ -118,11 +100,10 @@ def _l_tile(kk, beta_i, G_i, G_j, m_i, DIAG: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, eps,
+def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_ptr, chunk_indices_ptr, T,
                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, IS_VARLEN: tl.constexpr, NORM: tl.constexpr = False):
-    """G (cumulative gate) and A = (I + L)^-1 of one chunk. NORM: k is raw, its rows are l2-normalized
-    here (K K^T scaled by the outer product of the rows' rstd).
+                          BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """G (cumulative gate) and A = (I + L)^-1 of one chunk.
 
     L is built as three 32x32 tiles (the two diagonal halves and the lower-left E) and written to A's
     place, which then serves as scratch: the steps below read rows and blocks of L back and overwrite
@@ -164,21 +145,12 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_pt
     beta_hi = tl.load(beta_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32)
 
     G2_lo, G2_hi = G_lo * LOG2E, G_hi * LOG2E
-    kk_lo = _kk(k_ptr, r_lo, m_lo, r_lo, m_lo, i_hk, HK, K, BK, H)
-    kk_hi = _kk(k_ptr, r_hi, m_hi, r_hi, m_hi, i_hk, HK, K, BK, H)
-    kk_e = _kk(k_ptr, r_hi, m_hi, r_lo, m_lo, i_hk, HK, K, BK, H)
-    if NORM:
-        rs_lo = _rstd(k_ptr, r_lo, m_lo, i_hk, eps, HK, K, BK)
-        rs_hi = _rstd(k_ptr, r_hi, m_hi, i_hk, eps, HK, K, BK)
-        kk_lo = kk_lo * (rs_lo[:, None] * rs_lo[None, :])
-        kk_hi = kk_hi * (rs_hi[:, None] * rs_hi[None, :])
-        kk_e = kk_e * (rs_hi[:, None] * rs_lo[None, :])
-    L_lo = _l_tile(kk_lo, beta_lo, G2_lo, G2_lo, m_lo, True)
+    L_lo = _l_tile(_kk(k_ptr, r_lo, m_lo, r_lo, m_lo, i_hk, HK, K, BK, H), beta_lo, G2_lo, G2_lo, m_lo, True)
     _put(A_ptr, r_lo, m_lo, 0, L_lo, SA, H)
     _put(A_ptr, r_lo, m_lo, H, tl.zeros([H, H], dtype=tl.float32), SA, H)
-    L_hi = _l_tile(kk_hi, beta_hi, G2_hi, G2_hi, m_hi, True)
+    L_hi = _l_tile(_kk(k_ptr, r_hi, m_hi, r_hi, m_hi, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_hi, m_hi, True)
     _put(A_ptr, r_hi, m_hi, H, L_hi, SA, H)
-    E = _l_tile(kk_e, beta_hi, G2_hi, G2_lo, m_hi, False)
+    E = _l_tile(_kk(k_ptr, r_hi, m_hi, r_lo, m_lo, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_lo, m_hi, False)
     _put(A_ptr, r_hi, m_hi, 0, E, SA, H)
     tl.debug_barrier()
 
@@ -228,11 +200,9 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_pt
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu_seqlens_ptr, chunk_indices_ptr, T,
-                       eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
-                       NORM: tl.constexpr = False):
-    """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute).
-    NORM: k is raw and l2-normalized as loaded."""
+                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr):
+    """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute)."""
     tl.static_assert(BK >= K)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
@@ -244,8 +214,8 @@ def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu
     m_k = o_k < K
     o_i = tl.arange(0, BT)
     b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-    b_k = _normalized(tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :],
-                              mask=m_t[:, None] & m_k[None, :], other=0), NORM, eps)
+    b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0)
     b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
     b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
 
@@ -268,8 +238,7 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
                          cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False,
-                         NORM: tl.constexpr = False, EPS: tl.constexpr = 1e-6):
+                         HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False):
     """The S0 -> S1 scan, sequential over the chunks of one sequence (parallel over sequences, heads
     and V blocks), with the state and U cast to the input precision before their products.
 
@@ -277,8 +246,6 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
     chunk's start state and U stay in registers (q_ptr, o_ptr used; h_ptr, vnew_ptr not).
     Not OUTPUT (the backward's recompute): each chunk's start state (h) and U (vnew) are stored.
     OUTPUT and SAVE (a training forward that keeps them for the backward): both.
-    NORM (OUTPUT only): q and k are raw and l2-normalized as loaded (EPS: a constexpr, since a runtime
-    eps argument alone moved this kernel from 93 to 164 spill stores on sm_90 at BV=64, 4 warps).
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -295,11 +262,7 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     dt = k_ptr.dtype.element_ty
     for i_t in range(tl.cdiv(seqlen, BT)):
-        if OUTPUT:
-            if SAVE:
-                tl.store(h_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_h.to(h_ptr.dtype.element_ty),
-                         mask=m_kv)
-        else:
+        if (not OUTPUT) or SAVE:
             tl.store(h_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_h.to(h_ptr.dtype.element_ty),
                      mask=m_kv)
         o_t = i_t * BT + o_i
@@ -315,9 +278,6 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
         if OUTPUT:
             b_q = tl.load(q_ptr + p_k, mask=m_tk, other=0)
             b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
-            if NORM:
-                b_q = _normalized(b_q, NORM, EPS)
-                b_k = _normalized(b_k, NORM, EPS)
         b_w = tl.load(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_tk, other=0)
         b_u = tl.load(u_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
         if OUTPUT:
@@ -344,4 +304,3 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
         b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
         b_h = b_h * tl.exp(b_Glast) + tl.dot(tl.trans(b_kd), b_vnew)
     tl.store(ht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_h, mask=m_kv)
-
