@@ -147,7 +147,8 @@ def bench_overhead(quick: bool) -> list:
     args = (x, w, w, x, x, y, y, T, D, x.stride(0), x.stride(1), x.stride(2), x.stride(0), x.stride(1),
             x.stride(2), x.stride(0), 0, 0, 0)
     consts = dict(key[1])
-    compiled = kernel.fn.warmup(*args, *kernel._full_meta(entry.meta), grid=(1,), **entry.config.options())
+    compiled = kernel.fn.warmup(*args, *kernel._full_meta(entry.meta), grid=(1,),
+                                num_warps=entry.config.num_warps, num_stages=entry.config.num_stages)
     grid = (1, 1, 1)
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -159,7 +160,8 @@ def bench_overhead(quick: bool) -> list:
         kernel(grid, *args, bucket=key[0], **consts)
 
     def jit_run():
-        kernel.fn[grid](*args, **entry.meta, **entry.config.options())
+        kernel.fn[grid](*args, **entry.meta, num_warps=entry.config.num_warps,
+                        num_stages=entry.config.num_stages)
 
     def public_op():
         dk.causal_conv1d(x, w, activation="silu")

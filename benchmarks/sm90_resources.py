@@ -26,7 +26,7 @@ H200_SHARED_MEMORY = 232448  # bytes per block, as Triton reports the H200's lim
 
 
 def compile_resources(fn, arg_types: dict, constexprs: dict, num_warps: int, num_stages: int,
-                      machine_code: bool = True, maxnreg=None) -> dict:
+                      machine_code: bool = True) -> dict:
     """Compile the ``@triton.jit`` function ``fn`` for sm_90: ``{"shared", "regs", "stack", "stl", "ldl"}``
     (only ``shared`` when ``machine_code`` is False). ``arg_types``: Triton type strings of the runtime
     parameters ("*bf16", "*fp32", "fp32", ...); any not listed is "i32"."""
@@ -45,8 +45,7 @@ def compile_resources(fn, arg_types: dict, constexprs: dict, num_warps: int, num
     # compiler then vectorizes loads, which changes register counts a lot.
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
     compiled = triton.compile(ASTSource(fn, sig, constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages,
-                                       **({} if maxnreg is None else {"maxnreg": maxnreg})})
+                              options={"num_warps": num_warps, "num_stages": num_stages})
     out = {"shared": compiled.metadata.shared}
     if not machine_code:
         return out
@@ -137,8 +136,7 @@ def main():
             raise SystemExit(f"sm90_resources: unknown op {op!r}; choose from {sorted(cases)}")
         for name, fn, types, consts, config in cases[op]():
             try:
-                r = compile_resources(fn, types, consts, config.num_warps, config.num_stages,
-                                      maxnreg=config.maxnreg)
+                r = compile_resources(fn, types, consts, config.num_warps, config.num_stages)
             except Exception as e:  # noqa: BLE001 - a candidate that does not compile is a line, not a crash
                 print(f"{name:16s} {config}: does not compile ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
                 continue

@@ -18,7 +18,6 @@ Kernel signatures put every runtime parameter first and every ``tl.constexpr`` l
 import inspect
 import threading
 import time
-from typing import Optional
 
 import torch
 import triton
@@ -62,31 +61,20 @@ def _active(hook):
 
 
 class Config:
-    """One tuning candidate: constexpr block sizes plus the ``num_warps`` / ``num_stages`` launch options,
-    and optionally ``maxnreg``, a cap on registers per thread (ptxas spills above it), which lets more
-    programs share an SM."""
+    """One tuning candidate: constexpr block sizes plus the ``num_warps`` / ``num_stages`` launch options."""
 
-    def __init__(self, num_warps: int = 4, num_stages: int = 2, maxnreg: Optional[int] = None, **meta):
+    def __init__(self, num_warps: int = 4, num_stages: int = 2, **meta):
         self.meta = meta
         self.num_warps = num_warps
         self.num_stages = num_stages
-        self.maxnreg = maxnreg
-
-    def options(self) -> dict:
-        """The compile options of this candidate (``maxnreg`` only when set)."""
-        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        if self.maxnreg is not None:
-            opts["maxnreg"] = self.maxnreg
-        return opts
 
     def as_dict(self) -> dict:
-        return {**self.meta, **self.options()}
+        return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         d = dict(d)
-        return cls(num_warps=d.pop("num_warps", 4), num_stages=d.pop("num_stages", 2),
-                   maxnreg=d.pop("maxnreg", None), **d)
+        return cls(num_warps=d.pop("num_warps", 4), num_stages=d.pop("num_stages", 2), **d)
 
     def __repr__(self):
         return "Config(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
@@ -323,7 +311,8 @@ class TritonKernel:
 
         tail = self._full_meta(meta)
         with on_device(dev):
-            compiled = self.fn.warmup(*args, *tail, grid=(1,), **config.options())
+            compiled = self.fn.warmup(*args, *tail, grid=(1,), num_warps=config.num_warps,
+                                      num_stages=config.num_stages)
             compiled._init_handles()
         run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
 

@@ -265,9 +265,8 @@ def test_gpu_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", range(len(gdn_chunk._KERNELS[False].bwd_local.configs)))
 def test_gpu_every_local_backward_candidate(monkeypatch, index):
-    """Each tuning candidate of the backward's local kernel (register-capped and 16-warp ones included),
-    forced as the only config: every gradient against the reference at a Qwen-sized head (the tuner
-    may pick any of them on some shape)."""
+    """Each tuning candidate of the backward's local kernel, forced as the only config: every gradient
+    against the reference at a Qwen-sized head (the tuner may pick any of them on some shape)."""
     kernel = gdn_chunk._KERNELS[False].bwd_local
     monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
     kernel.reset()

@@ -279,20 +279,6 @@ def test_fast_key_matches_triton_specialization():
     assert fast(*(args()[:7] + (40.0,) + args()[8:])) is None
 
 
-def test_config_round_trips_with_and_without_a_register_cap():
-    """A tuned config is persisted as a dict and read back: maxnreg (a cap on registers per thread)
-    survives the round trip, goes to the compiler only when set, and dicts saved before it existed
-    (no maxnreg key) still load."""
-    from dflash_kernels.runtime import Config
-    capped = Config(BV=32, num_warps=8, maxnreg=128)
-    assert capped.options() == {"num_warps": 8, "num_stages": 2, "maxnreg": 128}
-    back = Config.from_dict(json.loads(json.dumps(capped.as_dict())))
-    assert (back.meta, back.options()) == ({"BV": 32}, capped.options())
-    plain = Config.from_dict({"BV": 64, "num_warps": 4, "num_stages": 2})
-    assert plain.maxnreg is None and plain.options() == {"num_warps": 4, "num_stages": 2}
-    assert "maxnreg" not in plain.as_dict() and plain.meta == {"BV": 64}
-
-
 def test_config_that_does_not_fit_falls_to_the_next(monkeypatch):
     """Tuning off: the first config runs unless it needs more shared memory than the GPU has (a
     config list written for every head size); then the next that fits, never an error."""

@@ -81,10 +81,7 @@ class _Kernels:
                               [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_local = make(_gdn_bwd_local_kernel, "gdn_bwd_local",
                               [Config(BV=32, BKB=64, num_warps=8), Config(BV=64, BKB=64, num_warps=8),
-                               Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8),
-                               Config(BV=64, BKB=32, num_warps=8, maxnreg=128),
-                               Config(BV=32, BKB=32, num_warps=8, maxnreg=128),
-                               Config(BV=32, BKB=32, num_warps=16), Config(BV=64, BKB=32, num_warps=16)],
+                               Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8)],
                               [Config(BV=16, BKB=64, num_warps=4, num_stages=1),
                                Config(BV=32, BKB=64, num_warps=4, num_stages=1)], Config(BV=16, BKB=16))
 
