@@ -139,29 +139,21 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     return dx
 
 
-def _solve(k, g, beta, layout):
-    """(A fp32 [B, T, Hv, BT], gcum fp32 [B, T, Hv]) of every chunk."""
-    B, T, Hk, K = k.shape
-    Hv = g.shape[2]
-    N, n_chunks, cu, indices, offsets = layout
-    A = alloc.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
-    gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
-    _kernels(k).solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, bucket=_bucket(n_chunks),
-                      HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
-    return A, gcum
-
-
 def _prep(k, v, g, beta, layout, A=None, gcum=None):
     """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
     load_a = A is not None
+    if not load_a:
+        A = alloc.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
+        gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
     w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
     u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
     kn = _kernels(k)
     if not load_a:
-        A, gcum = _solve(k, g, beta, layout)
+        kn.solve((n_chunks, Hv), k, g, beta, gcum, A, cu, indices, T, bucket=_bucket(n_chunks),
+                 HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
     kn.wu((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=_bucket(n_chunks),
           HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None)
     return A, gcum, w, u
@@ -187,8 +179,8 @@ def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale:
     Hv, V = u.shape[2], u.shape[3]
     N, cu, offsets = layout[0], layout[2], layout[4]
     kernel(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, h0, h, v_new, o, final_state, cu,
-           offsets, T, scale, bucket=_bucket(N * Hv), HAS_H0=h0 is not None, OUTPUT=o is not None,
-           HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None,
+           offsets, T, scale, bucket=_bucket(N * Hv), HAS_H0=h0 is not None, OUTPUT=o is not None, HK=Hk,
+           HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None,
            **({"SAVE": True} if o is not None and h is not None else {}))
 
 
