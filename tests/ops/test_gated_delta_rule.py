@@ -263,11 +263,13 @@ def test_gpu_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(len(gdn_chunk._KERNELS[False].bwd_local.configs)))
-def test_gpu_every_local_backward_candidate(monkeypatch, index):
-    """Each tuning candidate of the backward's local kernel, forced as the only config: every gradient
-    against the reference at a Qwen-sized head (the tuner may pick any of them on some shape)."""
-    kernel = gdn_chunk._KERNELS[False].bwd_local
+@pytest.mark.parametrize("name,index", [(n, i) for n in ("state_output", "bwd_state", "bwd_local")
+                                        for i in range(len(getattr(gdn_chunk._KERNELS[False], n).configs))])
+def test_gpu_every_scan_candidate(monkeypatch, name, index):
+    """Each tuning candidate of the forward scan and the backward's state and local kernels, forced as the
+    only config: the output and every gradient against the reference at a Qwen-sized head (the tuner
+    may pick any of them on some shape)."""
+    kernel = getattr(gdn_chunk._KERNELS[False], name)
     monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
     kernel.reset()
     try:

@@ -70,14 +70,23 @@ class _Kernels:
         # split state + output kernels' 1.503 / 1.678, while the tuned BV=64 scan took 667 us against
         # their 417 + 389.
         # Two single-stage candidates (BV=64/32, 4 warps) were tried: tuning at B=4, T=4096 on the H200
-        # then died with an illegal memory access (2026-11-29, session 5), so they are not candidates.
+        # then died with an illegal memory access (2026-11-29, session 5), so they are not candidates
+        # (session 8: forced alone, the BV=32 single-stage loops fault again, BV=64 ones are slower).
+        # The 3-stage loop at BV=64: forced alone, 1.706 against 1.851 ms at B=1, T=16384 (one sequence:
+        # 96 programs), 1.463 against 1.331 at B=4 (session 8); the tuner picks per bucket.
         self.state_output = make(_gdn_fwd_scan_kernel, "gdn_fwd_state_output",
                                  [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
-                                  Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)],
+                                  Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
+                                  Config(BV=64, num_warps=4, LOOP_STAGES=3)],
                                  [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
+        # LOOP_STAGES=3: the chunk loop pipelined three deep (no register spills on sm_90, where the 2-stage
+        # configs spill); forced alone on the H200 it took the forward+backward from 8.52 to 8.20 ms at B=1,
+        # T=16384 and 7.27 to 7.24 at B=4, T=4096 (session 8). The other scans' 1- and 3-stage loops were
+        # slower there, and the single-stage BV=32 bf16 scans faulted (illegal memory access): not candidates.
         self.bwd_state = make(_gdn_bwd_state_kernel, "gdn_bwd_state",
                               [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
-                               Config(BV=16, num_warps=4), Config(BV=16, num_warps=8)],
+                               Config(BV=16, num_warps=4), Config(BV=16, num_warps=8),
+                               Config(BV=64, num_warps=8, LOOP_STAGES=3)],
                               [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)])
         self.bwd_local = make(_gdn_bwd_local_kernel, "gdn_bwd_local",
                               [Config(BV=32, BKB=64, num_warps=8), Config(BV=64, BKB=64, num_warps=8),
@@ -199,6 +208,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     folded in (U = A (diag(beta) V - diag(beta exp(G)) K S0)), 1.665 against 1.324 ms (the scan is
     latency-bound: the fold put two more products on its step-to-step chain); the l2norm inside the
     solve, w/u and scan kernels instead of its own kernels, 2.027 against 1.319 ms (the scan spilled).
+    Session 8: solve and w/u in one kernel, 1.451 against 1.335 ms; and with qt = exp(G) Q - P w and
+    ou = P u precomputed there so that the scan's output is qt S0 + ou (its chunk step 3 products instead
+    of 5: scan 544 against 670 us), 1.838 ms (branch ``wip/gdn-fwd-prep``).
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]

@@ -38,7 +38,8 @@ def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr
                           cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                          HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, BV: tl.constexpr):
+                          HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, BV: tl.constexpr,
+                          LOOP_STAGES: tl.constexpr = None):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
@@ -54,7 +55,8 @@ def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr
     dt = q_ptr.dtype.element_ty
     o_i = tl.arange(0, BT)
     NT = tl.cdiv(seqlen, BT)
-    for i_r in range(NT):
+    # LOOP_STAGES: the chunk loop's own pipelining depth (None: the launch's num_stages).
+    for i_r in tl.range(0, NT, num_stages=LOOP_STAGES):
         i_t = NT - 1 - i_r
         tl.store(dh_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_dh.to(dh_ptr.dtype.element_ty), mask=m_kv)
         o_t = i_t * BT + tl.arange(0, BT)

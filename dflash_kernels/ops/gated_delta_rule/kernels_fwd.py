@@ -238,7 +238,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
                          cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
-                         HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False):
+                         HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False,
+                         LOOP_STAGES: tl.constexpr = None):
     """The S0 -> S1 scan, sequential over the chunks of one sequence (parallel over sequences, heads
     and V blocks), with the state and U cast to the input precision before their products.
 
@@ -261,7 +262,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     dt = k_ptr.dtype.element_ty
-    for i_t in range(tl.cdiv(seqlen, BT)):
+    # LOOP_STAGES: the chunk loop's own pipelining depth (None: the launch's num_stages).
+    for i_t in tl.range(0, tl.cdiv(seqlen, BT), num_stages=LOOP_STAGES):
         if (not OUTPUT) or SAVE:
             tl.store(h_ptr + ((boh + i_t) * HV + i_h) * (K * V) + o_kv, b_h.to(h_ptr.dtype.element_ty),
                      mask=m_kv)
