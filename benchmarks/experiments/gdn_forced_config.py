@@ -15,12 +15,14 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..")]
+
 import torch  # noqa: E402
 from bench_common import bench_ms  # noqa: E402
 from bench_gdn import HEADS, SHAPES, _inputs  # noqa: E402
 
 from dflash_kernels.ops.gated_delta_rule import chunk as C  # noqa: E402
 from dflash_kernels.runtime import Config  # noqa: E402
+
 
 def main():
     name, BV, W, LS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
