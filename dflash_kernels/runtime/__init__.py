@@ -3,7 +3,7 @@
 # ``backends`` stays the submodule here (ops call ``backends.register_op``); the top-level
 # ``dflash_kernels.backends()`` is the report function ``backends.backends``.
 from dflash_kernels.runtime import backends
-from dflash_kernels.runtime.backends import get_backend, register_op, resolve, set_backend
+from dflash_kernels.runtime.backends import Op, bucket, get_backend, register_op, resolve, set_backend
 from dflash_kernels.runtime.errors import BackendUnavailable, KernelCacheMiss
 from dflash_kernels.runtime.kernel import Config, TritonKernel, cache_info, reset_cache
 from dflash_kernels.runtime.precompile import precompile, register_precompile
@@ -15,7 +15,7 @@ if interpreting():
     interpreter_compat.apply()
 
 __all__ = [
-    "BackendUnavailable", "Config", "KernelCacheMiss", "TritonKernel", "backends", "cache_dir",
+    "BackendUnavailable", "Config", "Op", "bucket", "KernelCacheMiss", "TritonKernel", "backends", "cache_dir",
     "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
     "reset_cache", "resolve", "set_backend", "strict",
 ]

@@ -20,7 +20,7 @@ import threading
 from dflash_kernels.runtime import settings
 from dflash_kernels.runtime.errors import BackendUnavailable
 
-__all__ = ["register_op", "set_backend", "get_backend", "resolve", "backends", "BUILTIN"]
+__all__ = ["Op", "bucket", "register_op", "set_backend", "get_backend", "resolve", "backends", "BUILTIN"]
 
 BUILTIN = ("auto", "triton", "interpret", "reference")
 
@@ -133,3 +133,75 @@ def backends() -> dict:
         available += [n for n, m in entry["peers"].items() if _peer_available(m)]
         out[op] = {"configured": get_backend(op), "available": available}
     return out
+
+
+def bucket(n: int, cap: int = None) -> int:
+    """The shape bucket of a length: the next power of two of ``n`` (at least 1), at most ``cap``.
+
+    Kernels are compiled and tuned once per bucket, so every op buckets its lengths the same way.
+    """
+    n = max(int(n), 1)
+    if cap is not None:
+        n = min(n, int(cap))
+    return 1 << (n - 1).bit_length()
+
+
+class Op:
+    """One public op's dispatch: its backends, and the implementation registered for each.
+
+    Usage, once per op at import::
+
+        _conv = Op("conv1d", peers={"causal_conv1d": "causal_conv1d"}, extra={"cuda": _cuda.available})
+
+        @_conv.impl("triton", "interpret")
+        def _fast(x, weight): ...
+
+        @_conv.impl("reference")
+        def _reference(x, weight): ...
+
+        def causal_conv1d(x, weight):
+            check(...)                         # argument checks first
+            return _conv(x.device, x, weight)  # resolve the backend for x's device, call its impl
+
+    ``impl`` registers one function for one or more backend names (``triton``, ``interpret``,
+    ``reference``, a peer or an ``extra`` name). An op with several public functions (the conv's
+    ``causal_conv1d`` and ``causal_conv1d_update``) takes one more dispatch per function from
+    :meth:`function`; all of them share the op's backend setting. :meth:`backend` gives the name that
+    would run; calling raises :class:`BackendUnavailable` with the reason when the configured backend
+    cannot run (never a silent fallback) or has no implementation of the function.
+    """
+
+    def __init__(self, name: str, peers: dict = None, extra: dict = None, *, _label: str = None):
+        self.name = name
+        self.label = _label or name
+        self._impls = {}
+        if _label is None:
+            register_op(name, peers=peers, extra=extra)
+
+    def function(self, label: str) -> "Op":
+        """Another public function of this op: its own implementations, the op's backends."""
+        return Op(self.name, _label=label)
+
+    def impl(self, *names):
+        known = _names(self.name)
+        for n in names:
+            if n not in known or n == "auto":
+                raise ValueError(f"names: {n!r} is not a backend of op {self.name!r}; choose from {list(known[1:])}")
+
+        def register(fn):
+            for n in names:
+                self._impls[n] = fn
+            return fn
+        return register
+
+    def backend(self, device) -> str:
+        """The backend that runs this op for inputs on ``device``."""
+        return resolve(self.name, device)
+
+    def __call__(self, device, *args, **kwargs):
+        name = resolve(self.name, device)
+        fn = self._impls.get(name)
+        if fn is None:
+            raise BackendUnavailable(f"{self.label}: backend {name!r} has no implementation of this function; "
+                                     f"implemented: {sorted(self._impls)}")
+        return fn(*args, **kwargs)
