@@ -48,11 +48,17 @@ def parse_archs(spec):
     return archs, flags
 
 
-def find_nvcc(env):
-    home = env.get("CUDA_HOME") or env.get("CUDA_PATH")
-    if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        return os.path.join(home, "bin", "nvcc")
-    return shutil.which("nvcc", path=env.get("PATH"))
+def find_nvcc(env, exists=os.path.exists):
+    """The nvcc torch's ``cpp_extension`` would use: ``$CUDA_HOME`` (or ``$CUDA_PATH``), then ``nvcc``
+    on ``PATH``, then ``/usr/local/cuda``; None when there is none."""
+    for home in (env.get("CUDA_HOME"), env.get("CUDA_PATH")):
+        if home and exists(os.path.join(home, "bin", "nvcc")):
+            return os.path.join(home, "bin", "nvcc")
+    on_path = shutil.which("nvcc", path=env.get("PATH", ""))
+    if on_path:
+        return on_path
+    default = os.path.join("/usr/local/cuda", "bin", "nvcc")
+    return default if exists(default) else None
 
 
 def cuda_build_plan(env, torch_cuda, nvcc):
@@ -128,7 +134,7 @@ if __name__ == "__main__":
         install_requires=["torch>=2.5", "triton>=3.4"],
         extras_require={
             # transformers: its torch Gated DeltaNet is a test oracle, and the integration is tested.
-            "test": ["pytest>=7", "transformers>=5"],
+            "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5"],
             # The trainer and benchmarks/tok_s.py: HF models, tokenizers, safetensors.
             "train": ["transformers>=5"],
             "peers": ["flash-linear-attention>=0.6", "causal-conv1d>=1.5"],
