@@ -52,7 +52,10 @@ from bench_common import bench_ms, peak_mib  # noqa: E402
 SHAPES = {"real": dict(N=8192, H=2560, V=248320), "27b": dict(N=16384, H=5120, V=248320)}
 QUICK_SHAPES = {"quick": dict(N=2048, H=1024, V=32768)}
 CPU_SHAPES = {"cpu": dict(N=90, H=48, V=1000)}
-IMPLS = ["torch", "liger", "cce", "ours", "ours+argmax", "gemm_floor", "gemm_floor_chunked"]
+IMPLS = ["torch", "liger", "cce", "ours", "ours+argmax", "ours@512MiB", "gemm_floor", "gemm_floor_chunked",
+         "gemm_floor_chunked@512MiB"]
+# "NAME@<n>MiB": ours / gemm_floor_chunked with CHUNK_BYTES = n MiB of logits per chunk instead of the
+# default 256 (larger chunks: fewer, larger hidden-gradient GEMMs; more memory). Any n is accepted.
 PEERS = ("liger", "cce")
 BLOCK, GAMMA, IGNORED = 15, 7.0, 0.10
 REF_CHUNK = 1024  # rows per chunk of the in-process torch reference
@@ -150,12 +153,29 @@ def _gemm_fns(name, hidden, weight):
     return fwd, fwd_bwd
 
 
+def _split_chunk(impl: str):
+    """``"ours@512MiB"`` -> ``("ours", 512)``; no suffix -> ``(impl, None)``."""
+    if "@" not in impl:
+        return impl, None
+    base, size = impl.split("@", 1)
+    if base not in ("ours", "ours+argmax", "gemm_floor_chunked") or not size.endswith("MiB") or \
+            not size[:-3].isdigit() or int(size[:-3]) < 1:
+        raise ValueError(f"impl: {impl!r}: a chunk size suffix is '@<n>MiB' on ours or gemm_floor_chunked")
+    return base, int(size[:-3])
+
+
 def measure(impl: str, sname: str, s: dict, quick: bool) -> dict:
     """One implementation at one shape, in this process."""
+    name, chunk_mib = _split_chunk(impl)
+    if chunk_mib is not None:
+        from dflash_kernels.ops.linear_cross_entropy import linear_cross_entropy as _  # noqa: F401
+        lce = sys.modules["dflash_kernels.ops.linear_cross_entropy.linear_cross_entropy"]
+        lce.CHUNK_BYTES = chunk_mib << 20
+    impl_label, impl = impl, name
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    row = {"op": "linear_ce", "impl": impl, "shape": shape_name(s), "dtype": str(dtype), "frozen_head": True}
+    row = {"op": "linear_ce", "impl": impl_label, "shape": shape_name(s), "dtype": str(dtype), "frozen_head": True}
     N, H, V = s["N"], s["H"], s["V"]
     flops_fwd = 2.0 * N * H * V
     if not cuda:  # smoke runs: the runtime's fixes of Triton's CPU interpreter serve the peers' kernels too
@@ -266,7 +286,8 @@ def print_table(rows: list) -> None:
 
 
 def run(device="cuda", quick: bool = False, shapes=None, impls=None, timeout: float = 900.0) -> list:
-    """Rows for ``benchmarks/ops.py linear_ce`` (no recording here: the caller records)."""
+    """Every implementation at every shape, one process each; prints the table and returns the rows
+    (``benchmarks/ops.py linear_ce`` records them; :func:`main` records them when run alone)."""
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         device = "cpu"
     if not str(device).startswith("cuda") and shapes is None:
@@ -282,6 +303,8 @@ def run(device="cuda", quick: bool = False, shapes=None, impls=None, timeout: fl
             rows.append(row)
             print("ROW", json.dumps(row), flush=True)  # a run cut short keeps its rows in the log
     add_ratios(rows)
+    print()
+    print_table(rows)
     return rows
 
 
@@ -302,7 +325,10 @@ def main():
         print("RESULT " + json.dumps(row), flush=True)
         return
     impls = [i for i in args.impls.split(",") if i] or IMPLS
-    unknown = [i for i in impls if i not in IMPLS]
+    try:
+        unknown = [i for i in impls if _split_chunk(i)[0] not in IMPLS]
+    except ValueError as e:
+        raise SystemExit(f"--impls: {e}")
     if unknown:
         raise SystemExit(f"--impls: unknown {unknown}; choose from {IMPLS}")
     cuda = torch.cuda.is_available()
@@ -321,8 +347,6 @@ def main():
               "the timings say nothing about GPU speed and are not recorded.")
         shapes = list(CPU_SHAPES)
     rows = run("cuda" if cuda else "cpu", args.quick, shapes=shapes, impls=impls, timeout=args.timeout)
-    print()
-    print_table(rows)
     if cuda and not args.no_record:
         from ops import RESULTS, env_info
         info = env_info()
