@@ -102,6 +102,7 @@ def _linear_ce_rows_kernel(logits_ptr, labels_ptr, weights_ptr, loss_ptr, lse_pt
     if GRAD:
         keep = tl.where(ignored, 0.0, 1.0)
         keep = tl.where(bad, float("nan"), keep)
+        target = tl.where(ignored | bad, -1, label).to(tl.int32)  # a 32-bit compare per element
         for v0 in range(0, V, BV):
             offs = v0 + cols
             cmask = offs < V
@@ -110,7 +111,7 @@ def _linear_ce_rows_kernel(logits_ptr, labels_ptr, weights_ptr, loss_ptr, lse_pt
                 t = _tanh(x * inv_cap)
                 x = softcap * t
             p = tl.exp(x - lse[:, None])
-            p = tl.where(offs[None, :] == label[:, None], p - 1.0, p)
+            p = tl.where(offs[None, :] == target[:, None], p - 1.0, p)
             if SOFTCAP:
                 p = p * (1.0 - t * t)
             tl.store(base + offs[None, :], (p * keep[:, None]).to(logits_ptr.dtype.element_ty),
