@@ -10,10 +10,10 @@ relative precision in any input dtype.
 
 ``BR`` rows per program (1 on the GPU, where a row is long; 16 in the interpreter, whose cost is per
 operation), sweeping the vocabulary in blocks of ``BV``:
-- first sweep (fp32): the running max is one value per row and block and the running sum of exponentials a
-  per-lane vector rescaled by ``exp(m_old - m_new)``, so each element costs one exponential and each
-  block one reduction; the argmax is a per-lane (value, first index) pair reduced once at the end,
-  which keeps torch's first-occurrence rule;
+- first sweep (fp32): the running max is one value per row and block, the running sum of
+  exponentials a per-lane vector rescaled by ``exp(m_old - m_new)``, so each element costs one
+  exponential and each block one reduction; the argmax is a per-lane (value, first index) pair
+  reduced once at the end, which keeps torch's first-occurrence rule;
 - second sweep (``GRAD``): one exponential per element, stored in the logits' dtype.
 
 ``V`` and the row stride are specialized (not in ``do_not_specialize``): when they are multiples of 16
