@@ -11,7 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["position_weights", "block_inputs", "block_labels", "dflash_loss", "dflash_head_loss"]
+__all__ = ["position_weights", "block_inputs", "block_labels", "dflash_loss", "dflash_head_loss",
+           "dflash_fused_head_loss"]
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -116,13 +117,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
 
 def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor,
-                     gamma: float, bias=None, chunk_rows: int = 2048):
+                     gamma: float, bias=None, chunk_rows: int = 2048, fused: bool = False):
     """:func:`dflash_loss` of ``logits = hidden @ weight^T + bias`` without materializing the logits.
 
     Args:
         hidden: ``[B, N * bs, H]`` draft states (differentiable); weight ``[V, H]`` (and bias ``[V]``) the
             frozen LM head. Only the counted rows are projected: the others have weight 0.
         chunk_rows: rows per chunk (each chunk holds ``chunk_rows x V`` logits in fp32 and W's dtype).
+        fused: use ``dflash_kernels``' fused LM head + cross-entropy (:func:`dflash_fused_head_loss`)
+            instead of the row chunks here; ``chunk_rows`` is then unused.
     Returns:
         ``(loss, stats)`` as :func:`dflash_loss`.
     """
@@ -131,6 +134,8 @@ def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     B, N, bs = labels.shape
     if hidden.shape[:2] != (B, N * bs):
         raise ValueError(f"hidden: expected [B, N * bs, H] = [{B}, {N * bs}, H], got {tuple(hidden.shape)}")
+    if fused:
+        return dflash_fused_head_loss(hidden, weight, labels, counted, gamma, bias=bias)
     wpos = position_weights(bs, gamma).to(hidden.device)[None, None, :] * counted
     rows = counted.reshape(-1).nonzero().squeeze(1)
     wsum = wpos.sum()
@@ -140,6 +145,31 @@ def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     with torch.no_grad():
         hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
         hit[rows] = pred == labels.reshape(-1)[rows]
+    return loss, _stats(hit.view(B, N, bs), counted)
+
+
+def dflash_fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor,
+                           gamma: float, bias=None):
+    """:func:`dflash_head_loss` through ``dflash_kernels``' ``linear_cross_entropy`` (fused LM head + CE).
+
+    The counted rows only (as the chunked path), hidden cast to the head's dtype (what ``lm_head``
+    does), per-row weights ``exp(-(j - 1) / gamma)`` and ``reduction="mean"``: the op's
+    ``sum(w * ce) / sum(w)`` over those rows is exactly :func:`dflash_loss`'s normalization (0 with no
+    counted row). The accuracy comes from the op's argmax: no logits anywhere. A frozen head (the
+    trainer's) costs no weight-gradient GEMM.
+    """
+    from dflash_kernels.ops.linear_cross_entropy import linear_cross_entropy
+
+    B, N, bs = labels.shape
+    rows = counted.reshape(-1).nonzero().squeeze(1)
+    pos = rows % bs
+    w = position_weights(bs, gamma).to(hidden.device)[pos]
+    lab = labels.reshape(-1)[rows]
+    h = hidden.reshape(B * N * bs, -1)[rows].to(weight.dtype)
+    loss, pred = linear_cross_entropy(h, weight, lab, bias=bias, weights=w, reduction="mean", return_argmax=True)
+    with torch.no_grad():
+        hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
+        hit[rows] = pred == lab
     return loss, _stats(hit.view(B, N, bs), counted)
 
 

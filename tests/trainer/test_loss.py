@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import rel_err
-from trainer.loss import dflash_head_loss, dflash_loss, position_weights
+from trainer.loss import dflash_fused_head_loss, dflash_head_loss, dflash_loss, position_weights
 
 
 def test_position_weights():
@@ -107,3 +107,83 @@ def test_head_loss_bad_arguments():
         dflash_head_loss(hidden, torch.randn(5, 4), labels, counted, 7.0, chunk_rows=0)
     with pytest.raises(ValueError, match="hidden"):
         dflash_head_loss(torch.randn(1, 7, 4), torch.randn(5, 4), labels, counted, 7.0)
+
+
+# ------------------------------------------------------------------- fused LM head + CE (dflash_kernels)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_head_loss_matches_lm_head_then_loss(with_bias):
+    """fused=True (dflash_kernels' linear_cross_entropy) equals F.linear + dflash_loss in fp32: loss,
+    accuracy stats, hidden gradient; uncounted rows get no gradient."""
+    torch.manual_seed(1)
+    B, N, bs, H, V, gamma = 2, 3, 7, 24, 53, 3.0
+    hidden = torch.randn(B, N * bs, H)
+    weight = torch.randn(V, H) / H ** 0.5
+    bias = torch.randn(V) if with_bias else None
+    labels = torch.randint(0, V, (B, N, bs))
+    counted = torch.rand(B, N, bs) > 0.3
+    counted[..., 0] = False
+    counted[1, 2] = False  # a padding block
+    labels[0, 0, 1:] = F.linear(hidden[0, 1:bs], weight, bias).argmax(-1)  # some hits
+
+    h_ref = hidden.clone().requires_grad_()
+    ref, st_ref = dflash_loss(F.linear(h_ref, weight, bias), labels, counted, gamma)
+    ref.backward()
+    h = hidden.clone().requires_grad_()
+    got, st = dflash_head_loss(h, weight, labels, counted, gamma, bias=bias, fused=True)
+    got.backward()
+    assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-5
+    assert st["acc"] == st_ref["acc"] > 0 and st["tokens"] == st_ref["tokens"]
+    assert torch.equal(st["acc_by_pos"], st_ref["acc_by_pos"])
+    assert rel_err(h.grad, h_ref.grad) < 1e-5
+    assert torch.equal(h.grad.abs().sum(-1).view(B, N, bs) > 0, counted), "uncounted rows get no gradient"
+
+
+def test_fused_head_loss_bf16_head_and_no_counted_rows():
+    torch.manual_seed(2)
+    B, N, bs, H, V = 1, 4, 5, 16, 40
+    hidden = torch.randn(B, N * bs, H)
+    weight = (torch.randn(V, H) / 4).to(torch.bfloat16)
+    labels = torch.randint(0, V, (B, N, bs))
+    counted = torch.ones(B, N, bs, dtype=torch.bool)
+    counted[..., 0] = False
+    h_ref = hidden.clone().requires_grad_()
+    ref, _ = dflash_loss(F.linear(h_ref.to(weight.dtype), weight), labels, counted, 7.0)
+    ref.backward()
+    h = hidden.clone().requires_grad_()
+    got, _ = dflash_fused_head_loss(h, weight, labels, counted, 7.0)
+    got.backward()
+    assert h.grad.dtype == torch.float32
+    assert rel_err(got, ref) < 1e-3 and rel_err(h.grad, h_ref.grad) < 2e-2
+    none = torch.zeros_like(counted)
+    h0 = hidden.clone().requires_grad_()
+    loss, st = dflash_fused_head_loss(h0, weight, labels, none, 7.0)
+    loss.backward()
+    assert loss.item() == 0 and st["tokens"] == 0 and not h0.grad.any()
+
+
+def test_fused_loss_trains_the_same_trajectory(tmp_path, tiny_qwen3_dir, counting_data, monkeypatch):
+    """The tiny preset, 4 AdamW steps: the fused head loss gives the default whole-logits run's losses,
+    accuracies and drafter weights (fp32, up to rounding). The trainer reaches the head loss through
+    ``chunked_loss``; here that call is routed to ``fused=True``."""
+    import trainer.step
+    from trainer.config import preset
+    from trainer.train import train
+
+    quiet = lambda s: None  # noqa: E731
+    ref = train(preset("tiny", target=tiny_qwen3_dir, data=counting_data, out_dir=str(tmp_path / "a"), steps=4),
+                log=quiet)
+    fused_calls = []
+
+    def fused_head_loss(*args, **kwargs):
+        fused_calls.append(1)
+        return dflash_head_loss(*args, **kwargs, fused=True)
+    monkeypatch.setattr(trainer.step, "dflash_head_loss", fused_head_loss)
+    got = train(preset("tiny", target=tiny_qwen3_dir, data=counting_data, out_dir=str(tmp_path / "b"), steps=4,
+                       chunked_loss=True), log=quiet)
+    assert len(fused_calls) >= 4
+    for r, g in zip(ref, got, strict=True):
+        assert abs(r["loss"] - g["loss"]) <= 1e-5 * abs(r["loss"]) and r["acc"] == g["acc"], (r, g)
+    wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
+    for k, v in wa.items():
+        assert (wb[k] - v).abs().max() <= 1e-4 * v.abs().max().clamp_min(1e-6), k
