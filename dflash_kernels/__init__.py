@@ -25,6 +25,7 @@ from dflash_kernels.ops.attention import (  # noqa: E402
     from_flex_block_mask,
 )
 from dflash_kernels.ops.conv1d import causal_conv1d, causal_conv1d_update  # noqa: E402
+from dflash_kernels.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
     chunk_gated_delta_rule,
     fused_recurrent_gated_delta_rule,
@@ -33,5 +34,5 @@ from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
 __all__ = [
     "__version__", "BackendUnavailable", "BlockSparseMask", "block_sparse_attention", "causal_block_mask",
     "dflash_block_mask", "from_flex_block_mask", "KernelCacheMiss", "backends", "cache_info", "causal_conv1d",
-    "causal_conv1d_update", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "get_backend", "precompile", "reset_cache", "set_backend", "strict",
+    "causal_conv1d_update", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "get_backend", "linear_cross_entropy", "precompile", "reset_cache", "set_backend", "strict",
 ]
