@@ -52,10 +52,10 @@ from bench_common import bench_ms, peak_mib  # noqa: E402
 SHAPES = {"real": dict(N=8192, H=2560, V=248320), "27b": dict(N=16384, H=5120, V=248320)}
 QUICK_SHAPES = {"quick": dict(N=2048, H=1024, V=32768)}
 CPU_SHAPES = {"cpu": dict(N=90, H=48, V=1000)}
-IMPLS = ["torch", "liger", "cce", "ours", "ours+argmax", "ours@512MiB", "gemm_floor", "gemm_floor_chunked",
-         "gemm_floor_chunked@512MiB"]
+IMPLS = ["torch", "liger", "cce", "ours", "ours+argmax", "ours@256MiB", "ours@1024MiB", "gemm_floor",
+         "gemm_floor_chunked", "gemm_floor_chunked@256MiB"]
 # "NAME@<n>MiB": ours / gemm_floor_chunked with CHUNK_BYTES = n MiB of logits per chunk instead of the
-# default 256 (larger chunks: fewer, larger hidden-gradient GEMMs; more memory). Any n is accepted.
+# default 512 (larger chunks: fewer, larger hidden-gradient GEMMs; more memory). Any n is accepted.
 PEERS = ("liger", "cce")
 BLOCK, GAMMA, IGNORED = 15, 7.0, 0.10
 REF_CHUNK = 1024  # rows per chunk of the in-process torch reference

@@ -413,10 +413,11 @@ def test_bad_input(change, exc, match):
         linear_cross_entropy(a.pop("hidden"), a.pop("weight"), a.pop("labels"), **a)
 
 
-def test_chunk_rows():
-    assert lce_mod.chunk_rows(8192, 248320, 2) == 512  # 512 * 248320 * 2 B = 242.5 MiB <= 256 MiB
+def test_chunk_rows(monkeypatch):
+    monkeypatch.setattr(lce_mod, "CHUNK_BYTES", 512 << 20)
+    assert lce_mod.chunk_rows(8192, 248320, 2) == 1024  # 1024 * 248320 * 2 B = 485 MiB <= 512 MiB
     assert lce_mod.chunk_rows(100, 248320, 2) == 100
-    assert lce_mod.chunk_rows(8192, 248320, 4) == 256
+    assert lce_mod.chunk_rows(8192, 248320, 4) == 512
     assert lce_mod.chunk_rows(10 ** 6, 2 ** 24, 4) == 128  # at least 128 rows
 
 

@@ -2,7 +2,7 @@
 
 Algorithm (backends ``triton`` and ``interpret``). Rows are processed in chunks of ``C`` rows
 (:func:`chunk_rows`: the largest multiple of ``CHUNK_ROWS_MULTIPLE`` whose logits fit ``CHUNK_BYTES``,
-256 MiB by default, i.e. C = 512 at V = 248,320 in bf16); one ``[C, V]`` buffer in the input dtype is
+512 MiB by default, i.e. C = 1024 at V = 248,320 in bf16); one ``[C, V]`` buffer in the input dtype is
 reused by every chunk. Per chunk:
 
 1. ``logits = hidden_c @ weight.T (+ bias)``: cuBLAS (``torch.mm`` / ``torch.addmm``) into the buffer,
@@ -49,9 +49,10 @@ __all__ = ["linear_cross_entropy", "linear_ce_forward", "chunk_rows", "CHUNK_BYT
 OP = "linear_cross_entropy"
 _op = Op(OP)
 
-# Bytes of one chunk of logits (the only [rows, V] buffer). 256 MiB keeps buffer + cuBLAS workspace
-# well under 0.5 GiB; DFLASH_KERNELS_LINEAR_CE_CHUNK_MIB overrides it (read at import).
-CHUNK_BYTES = int(os.environ.get("DFLASH_KERNELS_LINEAR_CE_CHUNK_MIB", "256")) << 20
+# Bytes of one chunk of logits (the only [rows, V] buffer). 512 MiB keeps the op's extra memory near
+# 0.5 GiB; chunks of half that size made the hidden-gradient GEMMs measurably slower on the H200
+# (benchmarks/results/README.md). DFLASH_KERNELS_LINEAR_CE_CHUNK_MIB overrides it (read at import).
+CHUNK_BYTES = int(os.environ.get("DFLASH_KERNELS_LINEAR_CE_CHUNK_MIB", "512")) << 20
 # Chunk row counts are multiples of this (GEMM tile friendly; keeps every chunk's row slices of the
 # per-row vectors 16-byte aligned, so all chunks share one compiled kernel).
 CHUNK_ROWS_MULTIPLE = 128
