@@ -116,9 +116,10 @@ def gdn_cases():
 
 def conv_cases():
     """Causal conv1d, width 4, SiLU, bias, bf16, channel-first with 16-byte aligned rows (ANCHORS.md shapes)."""
-    from dflash_kernels.ops.conv1d import conv1d as C
+    from dflash_kernels.ops.conv1d import kernels as C
     common = dict(W=4, HAS_BIAS=True, HAS_SEQ=False, HAS_INIT=False, ACT=True, CHANNEL_LAST=False, ALIGNED=True)
-    for name, kern, extra in [("conv_fwd", C._fwd, {"HAS_FINAL": False}), ("conv_bwd", C._bwd, {"HAS_DFINAL": False})]:
+    for name, kern, extra in [("conv_fwd", C.conv1d_fwd_kernel, {"HAS_FINAL": False}),
+                              ("conv_bwd", C.conv1d_bwd_kernel, {"HAS_DFINAL": False})]:
         types = _types(inspect.signature(kern.fn.fn).parameters, fp32=("dw_ptr", "db_ptr"), i32=("seq_ptr",))
         for c in kern.configs:
             yield name, kern.fn, types, {**common, **extra, **c.meta}, c

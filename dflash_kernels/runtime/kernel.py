@@ -24,7 +24,7 @@ import triton
 from triton import knobs
 from triton.runtime.errors import OutOfResources
 
-from dflash_kernels.runtime import settings, tuning
+from dflash_kernels.runtime import choice, settings, tuning
 from dflash_kernels.runtime.devices import current_stream, on_device
 
 from triton.backends.compiler import BaseBackend
@@ -148,8 +148,8 @@ class TritonKernel:
         self._restore_idx = [self.runtime_names.index(n) for n in restore]
         self._source_hash = self._hash_source(fn)
         self._cache = {}
-        self._key_locks = {}
-        self._key_locks_guard = threading.Lock()
+        self._key_locks = tuning.KeyLocks()
+        self._spec_lock = threading.Lock()
         with _registry_lock:
             _registry.append(self)
 
@@ -240,7 +240,7 @@ class TritonKernel:
 
     def _first_call_spec(self, args):
         # Built once, under a lock, so every thread computes keys with the same function.
-        with self._key_locks_guard:
+        with self._spec_lock:
             if self._fast_spec is None:
                 fast = self._make_fast_spec(args) if len(args) == len(self.runtime_names) else None
                 self._fast_spec = fast or _no_fast_spec
@@ -255,11 +255,7 @@ class TritonKernel:
 
     # ------------------------------------------------------------------ miss path
     def _miss(self, key, grid, args, constexprs, dev):
-        with self._key_locks_guard:
-            lock = self._key_locks.get(key)
-            if lock is None:
-                lock = self._key_locks[key] = threading.Lock()
-        with lock:
+        with self._key_locks(key):
             entry = self._cache.get(key)
             if entry is not None:  # another thread compiled it while we waited
                 entry.hits += 1
@@ -393,9 +389,8 @@ class TritonKernel:
                 for k, e in list(self._cache.items())}
 
     def reset(self):
-        with self._key_locks_guard:
-            self._cache.clear()
-            self._key_locks.clear()
+        self._cache.clear()
+        self._key_locks.clear()
 
 
 def cache_info() -> dict:
@@ -410,6 +405,8 @@ def cache_info() -> dict:
 
 
 def reset_cache() -> None:
-    """Forget every compiled kernel (persisted tuning results stay on disk)."""
+    """Forget every compiled kernel and every timed choice among implementations (``choice.py``);
+    persisted tuning results stay on disk."""
     for k in all_kernels():
         k.reset()
+    choice.reset_choices()

@@ -187,6 +187,14 @@ def test_backend_selection_and_errors(monkeypatch):
     assert "reference" in report["conv1d"]["available"]
 
 
+def test_bucket_is_the_capped_next_power_of_two():
+    import triton
+    for n in list(range(-2, 70)) + [1000, 4097, (1 << 16) + 1]:
+        assert dk.runtime.bucket(n) == triton.next_power_of_2(max(n, 1)), n
+        for cap in (64, 1 << 16):
+            assert dk.runtime.bucket(n, cap) == triton.next_power_of_2(min(max(n, 1), cap)), (n, cap)
+
+
 def test_cache_info_fields_and_reset():
     dk.reset_cache()
     x, w = torch.randn(1, 4, 20, device=device()), torch.randn(4, 4, device=device())
@@ -254,8 +262,7 @@ def test_gpu_threads_on_fresh_shapes_fwd_bwd(monkeypatch, tmp_path):
 
 def test_fast_key_matches_triton_specialization():
     # The hot path's generated key must separate exactly the argument sets Triton compiles differently.
-    from dflash_kernels.ops.conv1d import conv1d as conv_mod
-    kernel = conv_mod._fwd
+    from dflash_kernels.ops.conv1d.kernels import conv1d_fwd_kernel as kernel
     x = torch.randn(2, 8, 40)
     w = torch.randn(8, 4)
 
@@ -319,3 +326,97 @@ def test_tune_compile_mode_builds_every_candidate_and_times_none(monkeypatch):
     entry = _Entry()
     assert kernel._choose_config(("k",), (1,), (), {}, 0, entry) is kernel.configs[0]
     assert built == kernel.configs[1:] and entry.tuned_from == "disabled"
+
+
+class _FakeTimer:
+    """Times a candidate as the milliseconds given for its name (the candidate returns its name)."""
+
+    def __init__(self, ms):
+        self.ms = ms
+        self.calls = []
+        self.lock = threading.Lock()
+
+    def __call__(self, fn):
+        with self.lock:
+            name = fn()
+            self.calls.append(name)
+            return self.ms[name]
+
+
+def _candidates():
+    return {"cuda": lambda: "cuda", "triton": lambda: "triton"}
+
+
+def _no_timing(fn):
+    raise AssertionError("timed although it must not be")
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DFLASH_KERNELS_TUNE", raising=False)
+    choice = dk.runtime.Choice("test_impl", default="triton", label="test choice", version=lambda: "v1")
+    yield choice
+    choice.reset()
+
+
+def test_choice_times_once_under_threads_and_persists(fresh_choice):
+    cpu = torch.device("cpu")
+    timer = _FakeTimer({"triton": 2.0, "cuda": 1.0})
+    key = ("fwd", 1)
+    results, barrier = [], threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        results.append(fresh_choice.get(cpu, key) or fresh_choice.choose(key, cpu, _candidates(), timer=timer))
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == ["cuda"] * 8
+    assert sorted(timer.calls) == ["cuda", "triton"], "each candidate timed exactly once for the key"
+    assert fresh_choice.get(cpu, key) == "cuda"
+    saved = tuning.store().get(-1, "test_impl|v1|('fwd', 1)")
+    assert saved["impl"] == "cuda" and saved["ms"] == {"triton": 2.0, "cuda": 1.0}
+
+    # A new process (in-memory choices dropped) reads the winner from disk without timing, in strict
+    # mode too: nothing needs measuring.
+    fresh_choice.reset()
+    tuning._store = None
+    assert fresh_choice.get(cpu, key) is None
+    with dk.strict():
+        assert fresh_choice.choose(key, cpu, _candidates(), timer=_no_timing) == "cuda"
+
+    # The slower candidate loses; on a tie the first listed wins.
+    slow_cuda = _FakeTimer({"triton": 1.0, "cuda": 3.0})
+    assert fresh_choice.choose(("fwd", 2), cpu, _candidates(), timer=slow_cuda) == "triton"
+    tie = _FakeTimer({"triton": 1.0, "cuda": 1.0})
+    assert fresh_choice.choose(("fwd", 3), cpu, _candidates(), timer=tie) == "cuda"
+    # A changed version is a new entry: timed again.
+    fresh_choice._version = lambda: "v2"
+    fresh_choice.reset()
+    again = _FakeTimer({"triton": 2.0, "cuda": 1.0})
+    assert fresh_choice.choose(key, cpu, _candidates(), timer=again) == "cuda" and again.calls
+
+
+@pytest.mark.parametrize("tune", ["0", "compile"])
+def test_choice_untimed_takes_the_default(fresh_choice, monkeypatch, tune):
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", tune)
+    assert fresh_choice.choose(("fwd", 1), torch.device("cpu"), _candidates(), timer=_no_timing) == "triton"
+    assert tuning.store().get(-1, fresh_choice.persist_name(("fwd", 1))) is None, "an untimed choice is not persisted"
+
+
+def test_choice_strict_mode_raises_on_an_unmeasured_key(fresh_choice):
+    with dk.strict():
+        with pytest.raises(dk.KernelCacheMiss, match=r"test choice for bucket \('fwd', 1\) is not measured yet"):
+            fresh_choice.choose(("fwd", 1), torch.device("cpu"), _candidates(), timer=_no_timing)
+    assert fresh_choice.get(torch.device("cpu"), ("fwd", 1)) is None
+
+
+def test_reset_cache_forgets_choices(fresh_choice):
+    cpu = torch.device("cpu")
+    fresh_choice.choose(("fwd", 1), cpu, _candidates(), timer=_FakeTimer({"triton": 2.0, "cuda": 1.0}))
+    assert fresh_choice.get(cpu, ("fwd", 1)) == "cuda"
+    dk.reset_cache()
+    assert fresh_choice.get(cpu, ("fwd", 1)) is None
