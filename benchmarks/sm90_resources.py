@@ -83,11 +83,10 @@ def _types(params, fp32=(), i32=(), u8=(), scalars_fp32=()):
 
 def attention_cases():
     """DFlash training mask: block 16, 4 query heads per kv head, D = 128, bf16; kv_tile 64."""
-    from dflash_kernels.ops.attention import attention as A
     from dflash_kernels.ops.attention import kernels as K
     base = dict(D=128, G=4, GH=4, BQ=16, BM=64, TW=1, HAS_TILES=False, DOT_PREC="tf32")
-    for name, kern, extra in [("attn_fwd", A.attn_fwd_kernel, {}), ("attn_bwd_dq", A.attn_bwd_dq_kernel, {}),
-                              ("attn_bwd_dkdv", A.attn_bwd_dkdv_kernel, {"KVT": 64})]:
+    for name, kern, extra in [("attn_fwd", K.attention_fwd_kernel, {}), ("attn_bwd_dq", K.attention_bwd_dq_kernel, {}),
+                              ("attn_bwd_dkdv", K.attention_bwd_dkdv_kernel, {"KVT": 64})]:
         params = inspect.signature(kern.fn.fn).parameters
         types = _types(params, fp32=("lse", "delta"), i32=("segments", "seg_count", "rev_offsets", "rev_full",
                                                              "rev_entries"), u8=("tiles",),

@@ -3,13 +3,16 @@
 Slow on purpose; no fast path imports this module.
 """
 
-from dflash_kernels.ops.attention.reference import dense_mask, sdpa_dense
+from dflash_kernels.ops.attention.naive import naive_block_sparse_attention, naive_dense_mask
 from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d, naive_causal_conv1d_update
 from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 
 # The names these references had before the ops' ``naive_*`` naming.
+sdpa_dense = naive_block_sparse_attention
+dense_mask = naive_dense_mask
 causal_conv1d_ref = naive_causal_conv1d
 causal_conv1d_update_ref = naive_causal_conv1d_update
 
-__all__ = ["causal_conv1d_ref", "causal_conv1d_update_ref", "dense_mask", "naive_causal_conv1d",
-           "naive_causal_conv1d_update", "naive_recurrent_gated_delta_rule", "sdpa_dense"]
+__all__ = ["causal_conv1d_ref", "causal_conv1d_update_ref", "dense_mask", "naive_block_sparse_attention",
+           "naive_causal_conv1d", "naive_causal_conv1d_update", "naive_dense_mask", "naive_recurrent_gated_delta_rule",
+           "sdpa_dense"]
