@@ -20,13 +20,20 @@ import torch  # noqa: E402
 from bench_common import bench_ms  # noqa: E402
 from bench_gdn import HEADS, SHAPES, _inputs  # noqa: E402
 
-from dflash_kernels.ops.gated_delta_rule import chunk as C  # noqa: E402
+from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: E402
+from dflash_kernels.ops.gated_delta_rule import kernels_bwd, kernels_fwd  # noqa: E402
 from dflash_kernels.runtime import Config  # noqa: E402
+
+# The KERNEL argument's names: the bf16 kernels of the forward scan, the backward's recompute scan and
+# the backward's state scan.
+KERNELS = {"state_output": kernels_fwd.gdn_fwd_scan_kernel.default,
+           "state": kernels_fwd.gdn_fwd_scan_states_kernel.default,
+           "bwd_state": kernels_bwd.gdn_bwd_state_kernel.default}
 
 
 def main():
     name, BV, W, LS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    kern = getattr(C._KERNELS[False], name)
+    kern = KERNELS[name]
     base_cfg = kern.configs[0]
     meta = dict(BV=BV) if LS == 0 else dict(BV=BV, LOOP_STAGES=LS)
     cfg = Config(num_warps=W, num_stages=2, **meta)
@@ -42,10 +49,10 @@ def main():
         do = torch.randn(s["B"], s["T"], s["Hv"], s["V"], device="cuda", dtype=torch.bfloat16)
 
         def fwd():
-            return C.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+            return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
 
         def fwd_bwd():
-            o = C.chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
+            o = chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
             return torch.autograd.grad(o, leaves, do)
 
         fn = fwd if name == "state_output" else fwd_bwd
