@@ -420,3 +420,105 @@ def test_reset_cache_forgets_choices(fresh_choice):
     assert fresh_choice.get(cpu, ("fwd", 1)) == "cuda"
     dk.reset_cache()
     assert fresh_choice.get(cpu, ("fwd", 1)) is None
+
+
+@pytest.fixture
+def private_registry(monkeypatch):
+    """A copy of the backends' registry and settings, so that a test op leaves no trace."""
+    monkeypatch.setattr(backends, "_ops", dict(backends._ops))
+    monkeypatch.setattr(backends, "_chosen", {})
+    monkeypatch.delenv("DFLASH_KERNELS_BACKEND", raising=False)
+
+
+def test_op_calls_the_implementation_of_the_resolved_backend(private_registry):
+    op = dk.runtime.Op("toy", peers={"peer": "json"}, extra={"ext": lambda: True})
+    second = op.function("toy_second")
+    op.impl("triton", "interpret")(lambda x: ("kernels", x))
+    op.impl("reference")(lambda x: ("reference", x))
+    op.impl("peer")(lambda x: ("peer", x))
+    op.impl("ext")(lambda x: ("ext", x))
+    second.impl("reference")(lambda x: ("second reference", x))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # resolving reads the device type only
+    assert op(cuda, 1) == ("kernels", 1)
+    assert op(cpu, 2) == ("kernels" if dk.runtime.interpreting() else "reference", 2)
+    assert op.backend(cpu) == ("interpret" if dk.runtime.interpreting() else "reference")
+    dk.set_backend("toy", "reference")
+    assert op(cuda, 3) == ("reference", 3) and second(cuda, 4) == ("second reference", 4)
+    dk.set_backend("toy", "peer")
+    assert op(cuda, 5) == ("peer", 5)
+    with pytest.raises(dk.BackendUnavailable, match="toy_second: backend 'peer' has no implementation"):
+        second(cuda, 6)
+    with pytest.raises(dk.BackendUnavailable, match="peer backend 'peer' needs CUDA tensors"):
+        op(cpu, 7)
+    dk.set_backend("toy", "ext")
+    assert op(cpu, 8) == ("ext", 8)
+    for bad in ("nope", "auto"):
+        with pytest.raises(ValueError, match=f"names: '{bad}' is not a backend of op 'toy'"):
+            op.impl(bad)
+
+
+def _public_ops():
+    from dflash_kernels.ops.attention import attention
+    from dflash_kernels.ops.conv1d import conv1d
+    from dflash_kernels.ops.gated_delta_rule import gated_delta_rule
+    return {"block_sparse_attention": attention._attention, "causal_conv1d": conv1d._conv,
+            "causal_conv1d_update": conv1d._conv_update, "chunk_gated_delta_rule": gated_delta_rule._gdn,
+            "fused_recurrent_gated_delta_rule": gated_delta_rule._gdn_recurrent}
+
+
+@pytest.mark.parametrize("function", sorted(_public_ops()))
+def test_every_backend_of_every_public_function_is_implemented(function):
+    op = _public_ops()[function]
+    assert set(op._impls) == set(backends._names(op.name)) - {"auto"}
+
+
+def _reference_calls(function):
+    """(naive module, naive function name, a call of the public function on small CPU inputs, its mask
+    built inside the call)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    if function == "block_sparse_attention":
+        from dflash_kernels.ops.attention import naive
+        return naive, "naive_block_sparse_attention", lambda: dk.block_sparse_attention(
+            rand(1, 8, 2, 64), rand(1, 16, 1, 64), rand(1, 16, 1, 64),
+            dk.dflash_block_mask(torch.tensor([[3, 7]]), 8, 4, kv_tile=16))
+    if function.startswith("causal_conv1d"):
+        from dflash_kernels.ops.conv1d import naive
+        if function == "causal_conv1d":
+            return naive, "naive_causal_conv1d", lambda: dk.causal_conv1d(rand(1, 4, 8), rand(4, 4), None, "silu")
+        return naive, "naive_causal_conv1d_update", lambda: dk.causal_conv1d_update(
+            rand(1, 4), rand(1, 4, 3), rand(4, 4), None, "silu")
+    from dflash_kernels.ops.gated_delta_rule import naive
+    q, k, v = rand(1, 5, 1, 16), torch.nn.functional.normalize(rand(1, 5, 1, 16), dim=-1), rand(1, 5, 2, 16)
+    g_, beta = -torch.rand(1, 5, 2, generator=g), torch.rand(1, 5, 2, generator=g)
+    return naive, "naive_recurrent_gated_delta_rule", lambda: getattr(dk, function)(
+        q, k, v, g_, beta, output_final_state=True)
+
+
+@pytest.mark.parametrize("function", sorted(_public_ops()))
+def test_reference_backend_runs_the_naive_reference(monkeypatch, function):
+    """Backend ``reference``: the public function's result is the naive reference's (the mask's reverse
+    index built with tensor ops, not the kernels)."""
+    from dflash_kernels.ops.attention import mask as mask_module
+
+    def no_kernels(*args):
+        raise AssertionError("the reverse index was built by the kernels under the reference backend")
+    monkeypatch.setattr(mask_module, "_reverse_index_triton", no_kernels)
+    op = _public_ops()[function]
+    module, name, call = _reference_calls(function)
+    real, calls = getattr(module, name), []
+
+    def recorded(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, recorded)
+    try:
+        dk.set_backend(op.name, "reference")
+        out = call()
+    finally:
+        dk.set_backend(op.name, "auto")
+    assert calls == [name]
+    first = out[0] if isinstance(out, tuple) else out
+    assert isinstance(first, torch.Tensor) and torch.isfinite(first).all()
