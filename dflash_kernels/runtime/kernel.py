@@ -153,7 +153,6 @@ class TritonKernel:
         with _registry_lock:
             _registry.append(self)
 
-    # ------------------------------------------------------------------ construction helpers
     @staticmethod
     def _flag_set(fn, attr):
         values = getattr(fn, attr, None)
@@ -220,7 +219,6 @@ class TritonKernel:
             py_fn = fn.fn if hasattr(fn, "fn") else fn
             return hashlib.sha256(inspect.getsource(py_fn).encode()).hexdigest()[:16]
 
-    # ------------------------------------------------------------------ hot path
     def __call__(self, grid, *args, bucket=(), **constexprs):
         """Launch on the device of the first tensor argument. See the class docstring."""
         dev = self._device_of(args)
@@ -253,7 +251,6 @@ class TritonKernel:
                 return a.get_device()  # -1 on the CPU, else the CUDA ordinal
         raise AssertionError("a kernel launch needs at least one tensor argument")
 
-    # ------------------------------------------------------------------ miss path
     def _miss(self, key, grid, args, constexprs, dev):
         with self._key_locks(key):
             entry = self._cache.get(key)
@@ -381,7 +378,6 @@ class TritonKernel:
             raise RuntimeError(f"{self.name}: no config compiled for this input: {timings}")
         return best, timings
 
-    # ------------------------------------------------------------------ introspection
     def cache_info(self) -> dict:
         return {(self.name,) + k: {"hits": e.hits, "compiles": e.compiles, "compile_s": e.compile_s,
                                    "tune_s": e.tune_s, "config": e.config.as_dict(),

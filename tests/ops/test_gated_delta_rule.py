@@ -341,8 +341,8 @@ def test_gpu_threads_on_fresh_shapes():
 @pytest.mark.parametrize("K", [128, 256])
 def test_backward_local_kernel_fits_hopper_shared_memory(K):
     """Every bf16 candidate of the backward's local kernel fits the H200's shared memory, K=256
-    included (compiled for sm_90 with Triton's toolchain: no GPU needed). It needed 288-352 KiB at
-    K=256 before its K-wide operands went to the dots in bf16, which failed on the H200."""
+    included (compiled for sm_90 with Triton's toolchain: no GPU needed): with fp32 K-wide operands
+    in its dots it would not fit at K=256."""
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
 
     types = {n: "*fp32" for n in ("gcum_ptr", "dq_ptr", "dk_ptr", "dbeta_ptr", "dg_ptr", "A_ptr")}

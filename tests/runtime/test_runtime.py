@@ -522,3 +522,16 @@ def test_reference_backend_runs_the_naive_reference(monkeypatch, function):
     assert calls == [name]
     first = out[0] if isinstance(out, tuple) else out
     assert isinstance(first, torch.Tensor) and torch.isfinite(first).all()
+
+
+def test_reference_module_exports_each_naive_reference_under_its_names():
+    from dflash_kernels import reference
+    from dflash_kernels.ops.attention import naive as attention_naive
+    from dflash_kernels.ops.conv1d import naive as conv_naive
+    from dflash_kernels.ops.gated_delta_rule import naive as gdn_naive
+    assert reference.sdpa_dense is reference.naive_block_sparse_attention is attention_naive.naive_block_sparse_attention
+    assert reference.dense_mask is reference.naive_dense_mask is attention_naive.naive_dense_mask
+    assert reference.causal_conv1d_ref is reference.naive_causal_conv1d is conv_naive.naive_causal_conv1d
+    assert reference.causal_conv1d_update_ref is conv_naive.naive_causal_conv1d_update
+    assert reference.naive_recurrent_gated_delta_rule is gdn_naive.naive_recurrent_gated_delta_rule
+    assert all(hasattr(reference, name) for name in reference.__all__)

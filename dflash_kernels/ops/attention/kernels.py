@@ -339,8 +339,8 @@ def _attention_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_of
     The index is built for ``KVT``-wide key tiles; a program covers ``BN = KVT // SPLIT`` keys of one
     of them and walks that tile's entries (an entry unmasked for the whole tile is unmasked for any
     part of it; masked ones keep their element mask). SPLIT = 2 halves the per-program dk/dv tiles,
-    which is what keeps this kernel's registers from spilling at D = 128 (spills measured with
-    cuobjdump on sm_90 builds: hundreds of local loads per step at BN = 64, a handful at BN = 32)."""
+    which is what keeps this kernel's registers from spilling at D = 128 (sm_90 builds, cuobjdump:
+    many local loads per step at BN = 64, a few at BN = 32; benchmarks/sm90_resources.py)."""
     BN: tl.constexpr = KVT // SPLIT
     tl.static_assert(BN >= 16)
     pid_n = tl.program_id(0)

@@ -125,7 +125,6 @@ def _conv1d_fwd_kernel(
                          val.to(final_ptr.dtype.element_ty), mask=d_mask[:, None])
 
 
-# ------------------------------------------------------------------------------------------ backward
 # The backward works on "positions": the times t0 + [0, BT) of a tile are cut into M = BT / V blocks of
 # V consecutive times (V = 16 bytes of x's dtype), and position p stands for the times t0 + m*V + p of
 # all blocks m at once: an [R, M] tensor (R = BD channels, or 1 for sequence ids). Neighbouring times

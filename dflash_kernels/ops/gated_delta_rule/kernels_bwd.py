@@ -99,7 +99,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
                           BKB: tl.constexpr):
     # K is processed in column blocks of KB: every K-wide product is separable over them, so only one
-    # block's [BT, KB] accumulators are live at a time (the K-wide ones spilled registers on sm_90).
+    # block's [BT, KB] accumulators are live at a time (K-wide ones spill registers on sm_90 builds).
     KB: tl.constexpr = BKB if BKB < BK else BK
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
@@ -199,7 +199,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
 
         # WY representation: w = A X, u = A Y, then A = (I + L)^-1.
         b_X = b_kf * b_bg[:, None]
-        # A^T loaded per block: a transposed register operand hoisted out of the loops held 16 registers.
+        # A^T loaded per block: hoisted out of the loops, the transposed operand holds registers throughout.
         b_At = tl.load(A_ptr + rows[None, :] * (HV * BT) + i_h * BT + o_i[:, None], mask=m_t[None, :], other=0)
         b_dX = tl.dot(b_At.to(dt), b_dw.to(dt))
         b_dA += tl.dot(b_dw.to(dt), tl.trans(b_X.to(dt)))

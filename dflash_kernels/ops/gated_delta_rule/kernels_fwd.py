@@ -279,8 +279,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
         p_k = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
         last = tl.minimum(i_t * BT + BT, seqlen) - 1
-        # Loads placed as each variant's own kernel had them: the recompute's k and G only after U,
-        # so they are not live across its product (sm_90: 213 instead of 227 registers at BV=64).
+        # The recompute loads k and G only after U, so they are not live across its product (fewer
+        # registers on sm_90 builds).
         if OUTPUT:
             b_q = tl.load(q_ptr + p_k, mask=m_tk, other=0)
             b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
