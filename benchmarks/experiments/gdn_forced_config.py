@@ -8,7 +8,6 @@ B=1, T=16384 (bench_gdn's heads), prints the time with the kernel's first config
 forced one and the largest relative difference of the outputs (or gradients) between the two. Run each
 candidate in a process of its own (a faulting config kills only that process), with
 DFLASH_KERNELS_TUNE=0 (the other kernels then run their first configs in both timings).
-Session 8 used it for the loop-pipelining (LOOP_STAGES) candidates.
 """
 import os
 import sys
