@@ -75,8 +75,8 @@ def bench_conv(quick: bool, rows: list, only=None) -> list:
     peers = _peer_conv() if cuda else {}
     W = 4
     from dflash_kernels.ops.conv1d import conv1d as conv_mod
-    backend = dk.runtime.resolve("conv1d", torch.device(dev))  # "cuda" when the extension was chosen
-    # fla's Triton conv faulted (illegal memory access) at B=4 on the H200 in our runs, which kills
+    backend = dk.runtime.resolve("conv1d", torch.device(dev))  # "cuda" when the extension is forced
+    # fla's Triton conv faults (illegal memory access) at B=4 on the H200, which kills
     # the CUDA context: it runs last. causal-conv1d runs first, on a context nothing else has touched.
     order = {"causal_conv1d (CUDA)": 0, "fla (Triton)": 2}
     for pass_, (B, D, T) in [(p, s) for p in (0, 1, 2) for s in shapes]:
@@ -137,10 +137,10 @@ def bench_overhead(quick: bool) -> list:
     if not torch.cuda.is_available():
         return []
     from dflash_kernels.ops.conv1d import conv1d as conv_mod
+    from dflash_kernels.ops.conv1d.kernels import conv1d_fwd_kernel as kernel
     x = torch.randn(1, 64, 16, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(64, 4, device="cuda", dtype=torch.bfloat16)
     y, _ = conv_mod.causal_conv1d_fwd(x, w, None, None, None, True, False)  # compile
-    kernel = conv_mod._fwd
     (key, entry), = [(k, e) for k, e in kernel._cache.items() if k[3] == x.device.index and
                      dict(k[1])["HAS_BIAS"] is False and dict(k[1])["ACT"] is True][:1]
     B, D, T = x.shape

@@ -83,11 +83,10 @@ def _types(params, fp32=(), i32=(), u8=(), scalars_fp32=()):
 
 def attention_cases():
     """DFlash training mask: block 16, 4 query heads per kv head, D = 128, bf16; kv_tile 64."""
-    from dflash_kernels.ops.attention import attention as A
     from dflash_kernels.ops.attention import kernels as K
     base = dict(D=128, G=4, GH=4, BQ=16, BM=64, TW=1, HAS_TILES=False, DOT_PREC="tf32")
-    for name, kern, extra in [("attn_fwd", A.attn_fwd_kernel, {}), ("attn_bwd_dq", A.attn_bwd_dq_kernel, {}),
-                              ("attn_bwd_dkdv", A.attn_bwd_dkdv_kernel, {"KVT": 64})]:
+    for name, kern, extra in [("attn_fwd", K.attention_fwd_kernel, {}), ("attn_bwd_dq", K.attention_bwd_dq_kernel, {}),
+                              ("attn_bwd_dkdv", K.attention_bwd_dkdv_kernel, {"KVT": 64})]:
         params = inspect.signature(kern.fn.fn).parameters
         types = _types(params, fp32=("lse", "delta"), i32=("segments", "seg_count", "rev_offsets", "rev_full",
                                                              "rev_entries"), u8=("tiles",),
@@ -98,17 +97,20 @@ def attention_cases():
 
 def gdn_cases():
     """Qwen3.5 GDN: Hk = 16, Hv = 48, K = V = 128, bf16, chunk 64."""
-    from dflash_kernels.ops.gated_delta_rule.chunk import _KERNELS
-    kn = _KERNELS[False]
+    from dflash_kernels.ops.gated_delta_rule import kernels_bwd as KB
+    from dflash_kernels.ops.gated_delta_rule import kernels_fwd as KF
     fp32 = ("gcum_ptr", "A_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "g_ptr", "dq_ptr", "dk_ptr",
             "dbeta_ptr", "dg_ptr")
     i32 = ("cu_seqlens_ptr", "chunk_indices_ptr", "chunk_offsets_ptr")
     common = dict(HK=16, HV=48, K=128, BT=64, BK=128, IS_VARLEN=False)
-    for name, kern, extra in [("gdn_fwd_solve", kn.solve, {}), ("gdn_fwd_wu", kn.wu, {"V": 128}),
-                              ("gdn_fwd_state", kn.state, {"V": 128, "HAS_H0": False, "OUTPUT": False}),
-                              ("gdn_fwd_state_output", kn.state_output, {"V": 128, "HAS_H0": False, "OUTPUT": True}),
-                              ("gdn_bwd_state", kn.bwd_state, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
-                              ("gdn_bwd_local", kn.bwd_local, {"V": 128})]:
+    for name, kern, extra in [
+        ("gdn_fwd_solve", KF.gdn_fwd_solve_kernel.default, {}),
+        ("gdn_fwd_wu", KF.gdn_fwd_wu_kernel.default, {"V": 128}),
+        ("gdn_fwd_state", KF.gdn_fwd_scan_states_kernel.default, {"V": 128, "HAS_H0": False, "OUTPUT": False}),
+        ("gdn_fwd_state_output", KF.gdn_fwd_scan_kernel.default, {"V": 128, "HAS_H0": False, "OUTPUT": True}),
+        ("gdn_bwd_state", KB.gdn_bwd_state_kernel.default, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
+        ("gdn_bwd_local", KB.gdn_bwd_local_kernel.default, {"V": 128}),
+    ]:
         types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale",))
         for c in kern.configs:
             yield name, kern.fn, types, {**common, **extra, **c.meta}, c
@@ -116,9 +118,10 @@ def gdn_cases():
 
 def conv_cases():
     """Causal conv1d, width 4, SiLU, bias, bf16, channel-first with 16-byte aligned rows (ANCHORS.md shapes)."""
-    from dflash_kernels.ops.conv1d import conv1d as C
+    from dflash_kernels.ops.conv1d import kernels as C
     common = dict(W=4, HAS_BIAS=True, HAS_SEQ=False, HAS_INIT=False, ACT=True, CHANNEL_LAST=False, ALIGNED=True)
-    for name, kern, extra in [("conv_fwd", C._fwd, {"HAS_FINAL": False}), ("conv_bwd", C._bwd, {"HAS_DFINAL": False})]:
+    for name, kern, extra in [("conv_fwd", C.conv1d_fwd_kernel, {"HAS_FINAL": False}),
+                              ("conv_bwd", C.conv1d_bwd_kernel, {"HAS_DFINAL": False})]:
         types = _types(inspect.signature(kern.fn.fn).parameters, fp32=("dw_ptr", "db_ptr"), i32=("seq_ptr",))
         for c in kern.configs:
             yield name, kern.fn, types, {**common, **extra, **c.meta}, c

@@ -1,12 +1,21 @@
 """Plain fp32 PyTorch references of the ops, for tests and for users checking their own kernels.
 
-Slow on purpose; no fast path imports this module.
+Slow on purpose; no fast path imports this module. Each is the ``naive_*`` function of its op's
+``naive.py``; ``sdpa_dense``, ``dense_mask``, ``causal_conv1d_ref`` and ``causal_conv1d_update_ref``
+are further names of the attention and conv references.
 """
 
-from dflash_kernels.ops.attention.reference import dense_mask, sdpa_dense
-from dflash_kernels.ops.conv1d.naive import causal_conv1d_ref, causal_conv1d_update_ref
+from dflash_kernels.ops.attention.naive import naive_block_sparse_attention, naive_dense_mask
+from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d, naive_causal_conv1d_update
 from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from dflash_kernels.ops.linear_cross_entropy.naive import naive_linear_cross_entropy
 
-__all__ = ["causal_conv1d_ref", "causal_conv1d_update_ref", "dense_mask", "naive_linear_cross_entropy", "naive_recurrent_gated_delta_rule",
+sdpa_dense = naive_block_sparse_attention
+dense_mask = naive_dense_mask
+causal_conv1d_ref = naive_causal_conv1d
+causal_conv1d_update_ref = naive_causal_conv1d_update
+
+__all__ = ["causal_conv1d_ref", "causal_conv1d_update_ref", "dense_mask", "naive_block_sparse_attention",
+           "naive_causal_conv1d", "naive_causal_conv1d_update", "naive_dense_mask", "naive_linear_cross_entropy",
+           "naive_recurrent_gated_delta_rule",
            "sdpa_dense"]

@@ -192,10 +192,9 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
 // and dy; the W - 1 inputs before come from the lane below by shuffle (lane 0 loads the word before),
 // the W - 1 inputs and output gradients after from the lane above (lane 31 loads the words after).
 // A row's dweight / dbias sums stay in one warp (shuffle tree, no shared memory, no barrier), one
-// partial row per block as in the other kernels. H200, bf16, W=4, SiLU, B=8, D=10240, T=16384:
-// fwd+bwd 4.81 ms through benchmarks/ops.py against 6.14 with the earlier one-row-per-block version
-// (every lane loading its neighbours' words, 96 registers); the stand-alone variant of
-// benchmarks/experiments/conv_cuda_variants.cu ran the backward alone in 2.63 ms (old: 4.03).
+// partial row per block as in the other kernels. Measured faster on the H200 than one row per block
+// with every lane loading its neighbours' words (benchmarks/experiments/conv_cuda_variants.cu,
+// results in benchmarks/results/README.md).
 constexpr int kBwdCols = 2;
 constexpr int kBwdSteps = 4;
 

@@ -105,8 +105,8 @@ __device__ __forceinline__ void unpack16(const uint4& word, float (&out)[16 / si
 }
 
 // The whole word at base (16-byte aligned) when ok, else zeros: one predicated load, no branch (the
-// forward with a partial-word branch per load instead: 1.864 against 1.811 ms at B=8, D=10240,
-// T=16384 on the H200; benchmarks/results/README.md, fifth session).
+// forward with a partial-word branch per load instead measured slower on the H200;
+// benchmarks/results/README.md).
 template <typename T>
 __device__ __forceinline__ uint4 load16_if(const T* base, bool ok) {
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -135,7 +135,7 @@ __device__ __forceinline__ uint4 pack16(const float (&v)[8]) {
 }
 
 // Stores N = 16 / sizeof(T) values as one 16-byte word at base (16-byte aligned). (An inline-asm
-// st.global.v4 here raised the forward's fast kernel from 48 to 61 registers.)
+// st.global.v4 here costs the forward's fast kernel registers.)
 template <typename T>
 __device__ __forceinline__ void store16(T* base, const float (&val)[16 / sizeof(T)]) {
     uint4 w;
@@ -144,7 +144,8 @@ __device__ __forceinline__ void store16(T* base, const float (&val)[16 / sizeof(
     *reinterpret_cast<uint4*>(base) = w;
 }
 
-// ---------------------------------------------------------------- scalar accessors (edges only)
+// The scalar accessors below serve the edges only.
+
 // Input of channel (b, d) at source time s, before any seq_idx masking: x for 0 <= s < T, the
 // initial state for 1 - W <= s < 0, zero elsewhere.
 template <typename T, int W>

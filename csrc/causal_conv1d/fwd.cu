@@ -96,12 +96,9 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
 // tile's arithmetic. Lanes 1..31 take their W - 1 halo inputs from the lane below by shuffle, lane 0
 // loads the word before its own (an L1/L2 hit: the neighbouring warp's). The grid runs a row's tile
 // groups fastest, so resident blocks stream one contiguous stretch of memory, as a copy does.
-// Chosen by measurement (benchmarks/experiments/conv_fwd_study6.cu, H200, bf16, W=4, SiLU, D=10240;
-// a copy kernel of the same grid reaches 95-96% of cudaMemcpy), ms at B=1 T=4096 / B=4 T=4096 / B=8
-// T=16384: THREADS=64, C=2, ITER=4 0.0516 / 0.176 / 1.339 (92.6 / 92.9 / 93.8% of cudaMemcpy);
-// 128, 2, 4: 0.055 / 0.197 / 1.333; 128, 4, 1 (the previous kernel's shape): 0.054 / 0.189 / 1.446;
-// 128, 4, 4: 0.068 / 0.244 / 1.476; 256, 2, 4: 0.067 / 0.252 / 1.365. SILU is a template argument,
-// as in the variants measured.
+// THREADS, C and ITER were chosen by timing the variants on the H200 (bf16, W=4, SiLU;
+// benchmarks/experiments/conv_fwd_study6.cu, results in benchmarks/results/README.md): this shape
+// runs closest to cudaMemcpy across batch sizes. SILU is a template argument, as in those variants.
 template <typename T, int W, int THREADS, int C, int ITER, bool SILU>
 __global__ void __launch_bounds__(THREADS)
 fwd_channel_first_fast_kernel(const DflashConvParams p, const int64_t n_groups) {
@@ -177,7 +174,8 @@ fwd_channel_first_fast_kernel(const DflashConvParams p, const int64_t n_groups) 
 
 // The fast kernel's row edges, one thread per (b, d) row, launched after it on the same stream and
 // only when asked for: with an initial state the row's first word again (the fast kernel used zeros
-// as its halo), the final state. In the fast kernel, this code (never taken there) cost 16 registers.
+// as its halo), the final state. Kept out of the fast kernel, where this code (never taken there)
+// costs registers.
 template <typename T, int W, bool SILU>
 __global__ void __launch_bounds__(kCfThreads) fwd_channel_first_edges_kernel(const DflashConvParams p) {
     constexpr int N = 16 / sizeof(T);
@@ -215,10 +213,10 @@ cudaError_t launch_fwd_fast(const DflashConvParams& p, cudaStream_t stream) {
     return cudaGetLastError();
 }
 
-// At least two blocks of 256 threads per SM, so at most 128 registers: since the sigmoid moved to
-// __fdividef (faf793e) nvcc gave the bf16 / fp16 W=4 instance 141 (one block per SM), and the H200
-// timed this kernel ~40% slower (session 5: 0.25 / 0.75 / 5.3 ms against 0.17 / 0.52 / 3.7 in session
-// 4). With the bound: 128 registers, no spills (ptxas, sm_90). Not yet timed on a GPU.
+// At least two blocks of 256 threads per SM, so at most 128 registers: left to itself, nvcc gives the
+// bf16 / fp16 W=4 instance (with the __fdividef sigmoid) more than 128, one block per SM, and the
+// kernel measured much slower on the H200 than with the bound, under which ptxas reports no spills
+// on sm_90 (benchmarks/results/README.md).
 template <typename T, int W>
 __global__ void __launch_bounds__(kClLanes * kClRows, 2)
 fwd_channel_last_kernel(const DflashConvParams p, const int64_t L, const bool vec) {

@@ -1,9 +1,10 @@
-"""The thread-safe kernel runtime every op is built on: per-key compile cache, tuning, backends."""
+"""The thread-safe kernel runtime every op is built on: per-key compile cache, tuning, backends, dispatch."""
 
-# ``backends`` stays the submodule here (ops call ``backends.register_op``); the top-level
-# ``dflash_kernels.backends()`` is the report function ``backends.backends``.
+# ``backends`` is the submodule here; the top-level ``dflash_kernels.backends()`` is its report
+# function ``backends.backends``.
 from dflash_kernels.runtime import backends
 from dflash_kernels.runtime.backends import Op, bucket, get_backend, register_op, resolve, set_backend
+from dflash_kernels.runtime.choice import Choice
 from dflash_kernels.runtime.errors import BackendUnavailable, KernelCacheMiss
 from dflash_kernels.runtime.kernel import Config, TritonKernel, cache_info, reset_cache
 from dflash_kernels.runtime.precompile import precompile, register_precompile
@@ -15,7 +16,7 @@ if interpreting():
     interpreter_compat.apply()
 
 __all__ = [
-    "BackendUnavailable", "Config", "Op", "bucket", "KernelCacheMiss", "TritonKernel", "backends", "cache_dir",
-    "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
+    "BackendUnavailable", "Choice", "Config", "Op", "bucket", "KernelCacheMiss", "TritonKernel", "backends",
+    "cache_dir", "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
     "reset_cache", "resolve", "set_backend", "strict",
 ]

@@ -24,7 +24,7 @@ import triton
 from triton import knobs
 from triton.runtime.errors import OutOfResources
 
-from dflash_kernels.runtime import settings, tuning
+from dflash_kernels.runtime import choice, settings, tuning
 from dflash_kernels.runtime.devices import current_stream, on_device
 
 from triton.backends.compiler import BaseBackend
@@ -148,12 +148,11 @@ class TritonKernel:
         self._restore_idx = [self.runtime_names.index(n) for n in restore]
         self._source_hash = self._hash_source(fn)
         self._cache = {}
-        self._key_locks = {}
-        self._key_locks_guard = threading.Lock()
+        self._key_locks = tuning.KeyLocks()
+        self._spec_lock = threading.Lock()
         with _registry_lock:
             _registry.append(self)
 
-    # ------------------------------------------------------------------ construction helpers
     @staticmethod
     def _flag_set(fn, attr):
         values = getattr(fn, attr, None)
@@ -220,7 +219,6 @@ class TritonKernel:
             py_fn = fn.fn if hasattr(fn, "fn") else fn
             return hashlib.sha256(inspect.getsource(py_fn).encode()).hexdigest()[:16]
 
-    # ------------------------------------------------------------------ hot path
     def __call__(self, grid, *args, bucket=(), **constexprs):
         """Launch on the device of the first tensor argument. See the class docstring."""
         dev = self._device_of(args)
@@ -240,7 +238,7 @@ class TritonKernel:
 
     def _first_call_spec(self, args):
         # Built once, under a lock, so every thread computes keys with the same function.
-        with self._key_locks_guard:
+        with self._spec_lock:
             if self._fast_spec is None:
                 fast = self._make_fast_spec(args) if len(args) == len(self.runtime_names) else None
                 self._fast_spec = fast or _no_fast_spec
@@ -253,13 +251,8 @@ class TritonKernel:
                 return a.get_device()  # -1 on the CPU, else the CUDA ordinal
         raise AssertionError("a kernel launch needs at least one tensor argument")
 
-    # ------------------------------------------------------------------ miss path
     def _miss(self, key, grid, args, constexprs, dev):
-        with self._key_locks_guard:
-            lock = self._key_locks.get(key)
-            if lock is None:
-                lock = self._key_locks[key] = threading.Lock()
-        with lock:
+        with self._key_locks(key):
             entry = self._cache.get(key)
             if entry is not None:  # another thread compiled it while we waited
                 entry.hits += 1
@@ -385,7 +378,6 @@ class TritonKernel:
             raise RuntimeError(f"{self.name}: no config compiled for this input: {timings}")
         return best, timings
 
-    # ------------------------------------------------------------------ introspection
     def cache_info(self) -> dict:
         return {(self.name,) + k: {"hits": e.hits, "compiles": e.compiles, "compile_s": e.compile_s,
                                    "tune_s": e.tune_s, "config": e.config.as_dict(),
@@ -393,9 +385,8 @@ class TritonKernel:
                 for k, e in list(self._cache.items())}
 
     def reset(self):
-        with self._key_locks_guard:
-            self._cache.clear()
-            self._key_locks.clear()
+        self._cache.clear()
+        self._key_locks.clear()
 
 
 def cache_info() -> dict:
@@ -410,6 +401,8 @@ def cache_info() -> dict:
 
 
 def reset_cache() -> None:
-    """Forget every compiled kernel (persisted tuning results stay on disk)."""
+    """Forget every compiled kernel and every timed choice among implementations (``choice.py``);
+    persisted tuning results stay on disk."""
     for k in all_kernels():
         k.reset()
+    choice.reset_choices()

@@ -22,7 +22,7 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
-__all__ = ["TuningStore", "store", "tuning_lock"]
+__all__ = ["KeyLocks", "TuningStore", "store", "tuning_lock"]
 
 
 class TuningStore:
@@ -84,14 +84,30 @@ def store() -> TuningStore:
         return _store
 
 
-# Timing two candidates at once on one GPU would skew both: one lock per device serializes tuning.
-_tuning_locks = {}
-_tuning_locks_guard = threading.Lock()
+class KeyLocks:
+    """One lock per key, created on first use: work on one key (a compile, a timing) runs once while
+    other keys proceed, and threads asking for the same key wait for that one run."""
+
+    def __init__(self):
+        self._locks = {}
+        self._guard = threading.Lock()
+
+    def __call__(self, key) -> threading.Lock:
+        with self._guard:
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+            return lock
+
+    def clear(self) -> None:
+        with self._guard:
+            self._locks.clear()
+
+
+_tuning_locks = KeyLocks()
 
 
 def tuning_lock(device: int) -> threading.Lock:
-    with _tuning_locks_guard:
-        lock = _tuning_locks.get(device)
-        if lock is None:
-            lock = _tuning_locks[device] = threading.Lock()
-        return lock
+    """The lock every timing on ``device`` runs under: two candidates timed at once on one GPU would
+    skew both."""
+    return _tuning_locks(device)

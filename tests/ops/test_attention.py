@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dflash_kernels.ops.attention.attention as attention_module
+import dflash_kernels.ops.attention.kernels as attention_kernels
 from dflash_kernels.ops.attention import (block_sparse_attention, causal_block_mask, dflash_block_mask,
                                           from_flex_block_mask)
-from dflash_kernels.ops.attention.reference import dense_mask, sdpa_dense
+from dflash_kernels.ops.attention.naive import naive_block_sparse_attention, naive_dense_mask
 from tests.helpers import device, rel_err
 
 # Buffers the launchers allocate are NaN-filled first (DFLASH_KERNELS_POISON, set by conftest), so an
@@ -34,12 +34,12 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 def check_against_reference(q, k, v, do, mask, dtype, memory_budget=1 << 30):
-    """Outputs, lse and all gradients against sdpa_dense run in fp32 on the same (rounded) inputs."""
+    """Outputs, lse and all gradients against the fp32 reference on the same (rounded) inputs."""
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     o, lse = block_sparse_attention(q, k, v, mask, return_lse=True)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ro, rlse = sdpa_dense(qf, kf, vf, mask, return_lse=True, memory_budget=memory_budget)
+    ro, rlse = naive_block_sparse_attention(qf, kf, vf, mask, return_lse=True, memory_budget=memory_budget)
     rdq, rdk, rdv = torch.autograd.grad(ro, (qf, kf, vf), do.float())
     for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not x.isnan().any(), f"{name} has NaN"
@@ -70,7 +70,7 @@ def test_dflash_mask_matches_rule(window):
     anchors = torch.tensor([[0, 22, 5, 6, 22, 1], [3, 3, 10, 0, 21, 9]])
     valid = torch.tensor([[True] * 6, [True, False, True, True, True, False]])
     mask = dflash_block_mask(anchors, S, bs, window=window, valid=valid, kv_tile=16)
-    dense = dense_mask(mask)
+    dense = naive_dense_mask(mask)
     assert dense.shape == (2, N * bs, S + N * bs)
     for b in range(2):
         for t in range(N * bs):
@@ -85,7 +85,7 @@ def test_anchor_at_context_end_sees_whole_context():
     S, N, bs = 21, 3, 4
     anchors = torch.tensor([[S, 7, S]])
     mask = dflash_block_mask(anchors.to(DEVICE), S, bs, kv_tile=16)
-    dense = dense_mask(mask)[0]
+    dense = naive_dense_mask(mask)[0]
     assert dense[:bs, :S].all() and dense[2 * bs:, :S].all() and not dense[bs:2 * bs, 7:S].any()
     q, k, v, do = make_qkv(1, N * bs, S + N * bs, 2, 1, 64, torch.float32, seed=3)
     check_against_reference(q, k, v, do, mask, torch.float32)
@@ -95,7 +95,7 @@ def test_reverse_index_lists_every_visible_tile():
     S, N, bs, kv_tile = 37, 5, 4, 16
     anchors = torch.tensor([[0, 36, 17, 16, 15]])
     mask = dflash_block_mask(anchors, S, bs, window=20, kv_tile=kv_tile)
-    dense = dense_mask(mask)[0]
+    dense = naive_dense_mask(mask)[0]
     off, n_full, ent = mask.rev_offsets.tolist(), mask.rev_full.tolist(), mask.rev_entries.tolist()
     for n in range(len(off) - 1):
         listed = ent[off[n]:off[n + 1]]
@@ -196,7 +196,7 @@ def test_from_flex_block_mask():
     mask = from_flex_block_mask(block_mask, kv_tile=16)
     t = torch.arange(Tq, device=DEVICE)[:, None]
     kv = torch.arange(Tk, device=DEVICE)[None, :]
-    assert torch.equal(dense_mask(mask)[0], sliding_causal(0, 0, t, kv))
+    assert torch.equal(naive_dense_mask(mask)[0], sliding_causal(0, 0, t, kv))
     q, k, v, do = make_qkv(2, Tq, Tk, 2, 1, 64, torch.float32, seed=2)
     check_against_reference(q, k, v, do, mask, torch.float32)
 
@@ -206,8 +206,8 @@ def test_one_group_per_program(monkeypatch):
     """The tests above run the stacked configs (two query groups / two index entries per step); here
     the plain ones, on a window mask with a padding block."""
     from dflash_kernels.runtime import Config
-    kernels = (attention_module.attn_fwd_kernel, attention_module.attn_bwd_dq_kernel,
-               attention_module.attn_bwd_dkdv_kernel)
+    kernels = (attention_kernels.attention_fwd_kernel, attention_kernels.attention_bwd_dq_kernel,
+               attention_kernels.attention_bwd_dkdv_kernel)
     for kern, cfg in zip(kernels, (Config(BN=16, GPB=1), Config(BN=16, GPB=1), Config(EPI=1, SPLIT=1))):
         monkeypatch.setattr(kern, "interpret_config", cfg)
         kern.reset()
@@ -228,7 +228,7 @@ def test_dkdv_on_half_key_tiles(monkeypatch, epi):
     """SPLIT=2: each dk/dv program covers half of an index tile and walks that tile's entries (a
     partial last tile and a half past the end of the keys included)."""
     from dflash_kernels.runtime import Config
-    kern = attention_module.attn_bwd_dkdv_kernel
+    kern = attention_kernels.attention_bwd_dkdv_kernel
     monkeypatch.setattr(kern, "interpret_config", Config(EPI=epi, SPLIT=2))
     kern.reset()
     try:
@@ -289,7 +289,7 @@ def test_bad_inputs():
     with pytest.raises(TypeError, match="k, v"):
         block_sparse_attention(q, k.half(), v, mask)
     with pytest.raises(ValueError, match="memory_budget"):
-        sdpa_dense(q, k, v, mask, memory_budget=1000)
+        naive_block_sparse_attention(q, k, v, mask, memory_budget=1000)
 
 
 @pytest.mark.parametrize("case", [

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_kernels as dk
-from dflash_kernels.ops.conv1d.naive import causal_conv1d_ref, causal_conv1d_update_ref
+from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d, naive_causal_conv1d_update
 from tests.helpers import device, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -71,7 +71,7 @@ def _run_both(x, weight, bias, seq_idx, init, activation, final):
     kx, kw, kb, ki = unpack(kern)
     rx, rw, rb, ri = unpack(ref)
     out_k = dk.causal_conv1d(kx, kw, kb, activation, seq_idx, ki, return_final_states=final)
-    out_r = causal_conv1d_ref(rx, rw, rb, activation, seq_idx, ri, return_final_states=final)
+    out_r = naive_causal_conv1d(rx, rw, rb, activation, seq_idx, ri, return_final_states=final)
     outs_k = out_k if final else (out_k,)
     outs_r = out_r if final else (out_r,)
     grads_out = [torch.randn_like(o, dtype=torch.float32) for o in outs_r]
@@ -167,7 +167,7 @@ def test_non_contiguous_input():
     # A prefix along T keeps stride 1 there but is not dense: outputs must still land in place.
     x = base[:, :, :37].requires_grad_()
     y = dk.causal_conv1d(x, weight, activation="silu")
-    ref = causal_conv1d_ref(x.detach(), weight, activation="silu")
+    ref = naive_causal_conv1d(x.detach(), weight, activation="silu")
     _check("y of a time slice", y, ref, torch.float32)
     y.sum().backward()
     assert not torch.isnan(x.grad).any()
@@ -184,7 +184,7 @@ def test_update(L, S, dtype):
     bias = torch.randn(D, device=dev, dtype=dtype)
     state_ref = state.clone()
     y = dk.causal_conv1d_update(x, state, weight, bias, "silu")
-    y_ref = causal_conv1d_update_ref(x, state_ref, weight, bias, "silu")
+    y_ref = naive_causal_conv1d_update(x, state_ref, weight, bias, "silu")
     _check("y", y, y_ref, dtype)
     assert torch.equal(state, state_ref), "conv_state after the update"
 
@@ -209,7 +209,7 @@ def test_torch_compile_no_graph_break():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     out = compiled(x, weight)
     out.backward()
-    ref = causal_conv1d_ref(x.detach() * 2, weight.detach(), activation="silu").sum()
+    ref = naive_causal_conv1d(x.detach() * 2, weight.detach(), activation="silu").sum()
     torch.testing.assert_close(out.detach(), ref)
     assert x.grad is not None and weight.grad is not None
 

@@ -3,15 +3,15 @@
 GPU tests (marked ``gpu``) force backend ``cuda`` and run the conv test matrix of test_conv1d.py
 against the fp32 reference, with the Triton launchers replaced by ones that fail, so a silent fall
 back to Triton cannot pass. CPU tests cover what needs no GPU: the clear error when the extension is
-absent, ``dflash_kernels.backends()``, the choice by measurement (with a fake timer), setup.py's
-build plan, and csrc/check_compile.sh.
+absent, ``dflash_kernels.backends()``, the routing between the two implementations and the conv's
+use of the runtime's timed choice (the choice itself is tested in tests/runtime), setup.py's build
+plan, and csrc/check_compile.sh.
 """
 
 import importlib.util
 import os
 import shutil
 import subprocess
-import threading
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ import torch
 import dflash_kernels as dk
 from dflash_kernels.ops.conv1d import conv1d as conv_mod
 from dflash_kernels.ops.conv1d import cuda as conv_cuda
-from dflash_kernels.ops.conv1d.naive import causal_conv1d_ref, causal_conv1d_update_ref
+from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d, naive_causal_conv1d_update
 from dflash_kernels.runtime import backends, tuning
 from tests.helpers import device
 from tests.ops import test_conv1d as base
@@ -125,7 +125,7 @@ def test_odd_strides(cuda_backend):
     base_x = torch.randn(2, 8, 80, device=device(), dtype=torch.bfloat16)
     weight = torch.randn(8, 4, device=device(), dtype=torch.bfloat16)
     for x in (base_x[:, :, :37], base_x[:, :, 3:40], base_x[:, :, ::2]):
-        ref = causal_conv1d_ref(x.float(), weight.float(), activation="silu").to(x.dtype)
+        ref = naive_causal_conv1d(x.float(), weight.float(), activation="silu").to(x.dtype)
         base._check("y", dk.causal_conv1d(x, weight, activation="silu"), ref, torch.bfloat16)
 
 
@@ -146,7 +146,7 @@ def test_vector_path_row_tails(cuda_backend, T, dtype):
     y, fin = dk.causal_conv1d(leaf[:, :, :T], weight, bias, activation="silu", initial_states=init,
                               return_final_states=True)
     refs = [t.detach().float().requires_grad_() for t in (base_x, weight, bias, init)]
-    y_r, fin_r = causal_conv1d_ref(refs[0][:, :, :T], refs[1], refs[2], activation="silu", initial_states=refs[3],
+    y_r, fin_r = naive_causal_conv1d(refs[0][:, :, :T], refs[1], refs[2], activation="silu", initial_states=refs[3],
                                    return_final_states=True)
     dy, dfin = torch.randn_like(y), torch.randn_like(fin)
     torch.autograd.backward((y, fin), (dy, dfin))
@@ -184,7 +184,7 @@ def test_update(cuda_backend, L, S, W, dtype):
     bias = torch.randn(D, device=dev, dtype=dtype)
     state_ref = state.clone()
     y = dk.causal_conv1d_update(x, state, weight, bias, "silu")
-    y_ref = causal_conv1d_update_ref(x, state_ref, weight, bias, "silu")
+    y_ref = naive_causal_conv1d_update(x, state_ref, weight, bias, "silu")
     base._check("y", y, y_ref, dtype)
     assert torch.equal(state, state_ref), "conv_state after the update"
 
@@ -223,11 +223,11 @@ def test_auto_measures_and_persists(monkeypatch, tmp_path):
     # "auto" on CUDA with the extension built: the first call of a bucket times both paths and
     # persists the winner; the result equals the reference either way.
     monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
-    conv_cuda.reset_choices()
+    conv_mod._impl_choice.reset()
     dk.set_backend("conv1d", "auto")
     x, weight, b, _, _ = base._inputs(2, 512, 1000, 4, torch.bfloat16)
     y = dk.causal_conv1d(x, weight, b, "silu")
-    ref = causal_conv1d_ref(x.float(), weight.float(), b.float(), "silu").to(x.dtype)
+    ref = naive_causal_conv1d(x.float(), weight.float(), b.float(), "silu").to(x.dtype)
     base._check("y", y, ref, torch.bfloat16)
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     entries = [k for k in tuning.store()._load(tuning.store().path(dev)) if k.startswith("conv1d_impl|")]
@@ -270,7 +270,7 @@ def test_backends_lists_cuda_only_when_built(monkeypatch):
     assert "cuda" not in dk.backends()["conv1d"]["available"]
 
 
-def test_dispatch_routes_by_backend(monkeypatch):
+def test_launchers_route_by_backend(monkeypatch):
     calls = []
 
     def triton_fn(*args):
@@ -280,11 +280,14 @@ def test_dispatch_routes_by_backend(monkeypatch):
         calls.append("cuda")
     x = torch.randn(1, 4, 8)
     args = (x, torch.randn(4, 4), None, None, None, False, False)
-    conv_cuda.dispatch("fwd", "cuda", triton_fn, cuda_fn, args)
-    conv_cuda.dispatch("fwd", "interpret", triton_fn, cuda_fn, args)
-    conv_cuda.dispatch("fwd", "auto", triton_fn, cuda_fn, args)  # a CPU input: never measured
+    try:
+        for backend in ("cuda", "interpret", "auto"):  # "auto" with a CPU input: never timed
+            dk.set_backend("conv1d", backend)
+            conv_mod._run("fwd", triton_fn, cuda_fn, args)
+    finally:
+        dk.set_backend("conv1d", "auto")
     assert calls == ["cuda", "triton", "triton"]
-    # "auto" with the extension present and a CUDA input runs the measured choice of its bucket.
+    # "auto" with the extension present and a CUDA input runs the timed choice of its bucket.
     class FakeCudaX:
         shape, dtype, device = (1, 4, 8), torch.bfloat16, torch.device("cuda", 0)
 
@@ -292,90 +295,39 @@ def test_dispatch_routes_by_backend(monkeypatch):
             return (32, 8, 1)[dim]
     seen = []
 
-    def choose(bucket, dev, run_triton, run_cuda):
-        seen.append(bucket)
+    def choose(key, device, candidates):
+        seen.append((key, list(candidates)))
         return choice
     monkeypatch.setattr(conv_cuda, "_C", object())
-    monkeypatch.setattr(conv_cuda, "choose_conv_impl", choose)
-    monkeypatch.setattr(conv_cuda.settings, "interpreting", lambda: False)
+    monkeypatch.setattr(conv_mod._impl_choice, "choose", choose)
+    monkeypatch.setattr(conv_mod.settings, "interpreting", lambda: False)
+    conv_mod._impl_choice.reset()
     calls.clear()
     for choice in ("cuda", "triton"):
-        conv_cuda.dispatch("fwd", "auto", triton_fn, cuda_fn, (FakeCudaX(),) + args[1:])
+        conv_mod._run("fwd", triton_fn, cuda_fn, (FakeCudaX(),) + args[1:])
     assert calls == ["cuda", "triton"]
-    assert seen[0] == ("fwd", "torch.bfloat16", 4, False, False, False, 8, 4)
+    assert seen[0] == (("fwd", "torch.bfloat16", 4, False, False, False, 8, 4), ["cuda", "triton"])
 
 
-class _FakeTimer:
-    def __init__(self, ms):
-        self.ms = ms
-        self.calls = []
-        self.lock = threading.Lock()
-
-    def __call__(self, fn):
-        with self.lock:
-            name = fn()
-            self.calls.append(name)
-            return self.ms[name]
-
-
-def test_choose_conv_impl_measures_once_and_persists(monkeypatch, tmp_path):
+def test_conv_choice_default_name_and_strict_mode(monkeypatch, tmp_path):
+    """The conv's CUDA-vs-Triton choice (a runtime Choice, tested in tests/runtime): its persisted
+    name carries the CUDA sources' hash (an edited extension is timed again), strict mode names it,
+    and untimed (DFLASH_KERNELS_TUNE=0) it runs Triton."""
+    choice = conv_mod._impl_choice
     monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("DFLASH_KERNELS_TUNE", raising=False)
-    conv_cuda.reset_choices()
+    choice.reset()
     cpu = torch.device("cpu")
-    timer = _FakeTimer({"triton": 2.0, "cuda": 1.0})
-    bucket = ("fwd", "test-bucket", 1)
-    results, barrier = [], threading.Barrier(8)
-
-    def worker():
-        barrier.wait()
-        results.append(conv_cuda.choose_conv_impl(bucket, cpu, lambda: "triton", lambda: "cuda", timer=timer))
-    threads = [threading.Thread(target=worker) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert results == ["cuda"] * 8
-    assert sorted(timer.calls) == ["cuda", "triton"], "each path timed exactly once for the bucket"
-    saved = tuning.store().get(-1, conv_cuda._persist_name(bucket))
-    assert saved["impl"] == "cuda" and saved["ms"] == {"triton": 2.0, "cuda": 1.0}
-
-    # A new process (in-memory choices dropped) reads the winner from disk without timing.
-    conv_cuda.reset_choices()
-    tuning._store = None
+    assert choice.persist_name(("fwd", 1)) == f"conv1d_impl|{conv_cuda.source_hash()}|('fwd', 1)"
 
     def no_timing(fn):
-        raise AssertionError("timed again although the choice was persisted")
-    assert conv_cuda.choose_conv_impl(bucket, cpu, lambda: "triton", lambda: "cuda", timer=no_timing) == "cuda"
-
-    # The slower path loses.
-    other = ("fwd", "test-bucket", 2)
-    slow_cuda = _FakeTimer({"triton": 1.0, "cuda": 3.0})
-    assert conv_cuda.choose_conv_impl(other, cpu, lambda: "triton", lambda: "cuda", timer=slow_cuda) == "triton"
-    conv_cuda.reset_choices()
-
-
-def test_choose_conv_impl_untimed_takes_triton(monkeypatch, tmp_path):
-    """DFLASH_KERNELS_TUNE=0: no timing, and the path measured faster on the H200 (Triton) is taken."""
-    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
-    conv_cuda.reset_choices()
-
-    def no_timing(fn):
-        raise AssertionError("timed although tuning is off")
-    assert conv_cuda.choose_conv_impl(("fwd", "untimed"), torch.device("cpu"), lambda: "triton", lambda: "cuda",
-                                      timer=no_timing) == "triton"
-    conv_cuda.reset_choices()
-
-
-def test_choose_conv_impl_strict_mode_raises(monkeypatch, tmp_path):
-    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
-    conv_cuda.reset_choices()
+        raise AssertionError("timed although it must not be")
+    candidates = {"cuda": lambda: "cuda", "triton": lambda: "triton"}
     with dk.strict():
-        with pytest.raises(dk.KernelCacheMiss, match="not measured yet"):
-            conv_cuda.choose_conv_impl(("fwd", "strict"), torch.device("cpu"), lambda: "triton", lambda: "cuda",
-                                       timer=_FakeTimer({"triton": 1.0, "cuda": 1.0}))
-    conv_cuda.reset_choices()
+        with pytest.raises(dk.KernelCacheMiss, match=r"conv1d CUDA-vs-Triton choice .* not measured yet"):
+            choice.choose(("fwd", "strict"), cpu, candidates, timer=no_timing)
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
+    assert choice.choose(("fwd", "untimed"), cpu, candidates, timer=no_timing) == "triton"
+    choice.reset()
 
 
 # ------------------------------------------------------------------------------ CPU: setup.py

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from dflash_kernels.ops.gated_delta_rule import chunk as gdn_chunk
+from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn_module
+from dflash_kernels.ops.gated_delta_rule import kernels_bwd, kernels_fwd
 from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from dflash_kernels.runtime import alloc, resolve
 from tests.helpers import device, rel_err
@@ -116,7 +117,7 @@ def test_saved_states_match_recompute(monkeypatch, B, T, Hk, Hv, K, V, dtype, l2
 
     def no_recompute(*args, **kwargs):
         raise AssertionError("the backward recomputed the states the forward was to keep")
-    monkeypatch.setattr(gdn_chunk, "_wy_and_states", no_recompute)
+    monkeypatch.setattr(gdn_module, "_wy_and_states", no_recompute)
     o_s, ht_s, grads_s = _run(chunk_gated_delta_rule, tensors, kwargs, final, do, dht)
     assert torch.equal(o_s, o)
     if final:
@@ -131,7 +132,7 @@ def test_forward_custom_op_checks(save):
     # Schema, fake (the saved states' shapes) and autograd registration of the forward custom op.
     q, k, v, g, beta, _ = _inputs(1, 70, 1, 2, 16, 16, torch.float32)
     args = [t.requires_grad_() for t in (q, k, v, g, beta)] + [None, None, 16 ** -0.5, False, False, save]
-    result = torch.library.opcheck(gdn_chunk._gdn_chunk_fwd_op, tuple(args),
+    result = torch.library.opcheck(gdn_module._gdn_chunk_fwd_op, tuple(args),
                                    test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     assert set(result.values()) == {"SUCCESS"}, result
 
@@ -262,14 +263,18 @@ def test_gpu_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
     _compare(tensors, dict(use_qk_l2norm_in_kernel=l2), final, dtype)
 
 
+_SCANS = {"state_output": kernels_fwd.gdn_fwd_scan_kernel.default,
+          "bwd_state": kernels_bwd.gdn_bwd_state_kernel.default,
+          "bwd_local": kernels_bwd.gdn_bwd_local_kernel.default}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,index", [(n, i) for n in ("state_output", "bwd_state", "bwd_local")
-                                        for i in range(len(getattr(gdn_chunk._KERNELS[False], n).configs))])
+@pytest.mark.parametrize("name,index", [(n, i) for n, k in _SCANS.items() for i in range(len(k.configs))])
 def test_gpu_every_scan_candidate(monkeypatch, name, index):
     """Each tuning candidate of the forward scan and the backward's state and local kernels, forced as the
     only config: the output and every gradient against the reference at a Qwen-sized head (the tuner
     may pick any of them on some shape)."""
-    kernel = getattr(gdn_chunk._KERNELS[False], name)
+    kernel = _SCANS[name]
     monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
     kernel.reset()
     try:
@@ -336,16 +341,15 @@ def test_gpu_threads_on_fresh_shapes():
 @pytest.mark.parametrize("K", [128, 256])
 def test_backward_local_kernel_fits_hopper_shared_memory(K):
     """Every bf16 candidate of the backward's local kernel fits the H200's shared memory, K=256
-    included (compiled for sm_90 with Triton's toolchain: no GPU needed). It needed 288-352 KiB at
-    K=256 before its K-wide operands went to the dots in bf16, which failed on the H200."""
-    from dflash_kernels.ops.gated_delta_rule.chunk import _KERNELS
+    included (compiled for sm_90 with Triton's toolchain: no GPU needed): with fp32 K-wide operands
+    in its dots it would not fit at K=256."""
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
 
     types = {n: "*fp32" for n in ("gcum_ptr", "dq_ptr", "dk_ptr", "dbeta_ptr", "dg_ptr", "A_ptr")}
     types.update({p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "h_ptr", "dh_ptr", "vnew_ptr",
                                        "dvnew_ptr", "do_ptr", "dv_ptr")})
     types.update({"cu_seqlens_ptr": "*i32", "chunk_indices_ptr": "*i32", "scale": "fp32"})
-    configs = _KERNELS[False].bwd_local.configs
+    configs = kernels_bwd.gdn_bwd_local_kernel.default.configs
     consts = dict(HK=16, HV=48, K=K, V=K, BT=64, BK=K, IS_VARLEN=False)
     smem = hopper_shared_memory("dflash_kernels.ops.gated_delta_rule.kernels_bwd", "_gdn_bwd_local_kernel",
                                 types, consts, [(c.num_warps, c.num_stages, dict(c.meta)) for c in configs])

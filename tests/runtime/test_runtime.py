@@ -187,6 +187,14 @@ def test_backend_selection_and_errors(monkeypatch):
     assert "reference" in report["conv1d"]["available"]
 
 
+def test_bucket_is_the_capped_next_power_of_two():
+    import triton
+    for n in list(range(-2, 70)) + [1000, 4097, (1 << 16) + 1]:
+        assert dk.runtime.bucket(n) == triton.next_power_of_2(max(n, 1)), n
+        for cap in (64, 1 << 16):
+            assert dk.runtime.bucket(n, cap) == triton.next_power_of_2(min(max(n, 1), cap)), (n, cap)
+
+
 def test_cache_info_fields_and_reset():
     dk.reset_cache()
     x, w = torch.randn(1, 4, 20, device=device()), torch.randn(4, 4, device=device())
@@ -254,8 +262,7 @@ def test_gpu_threads_on_fresh_shapes_fwd_bwd(monkeypatch, tmp_path):
 
 def test_fast_key_matches_triton_specialization():
     # The hot path's generated key must separate exactly the argument sets Triton compiles differently.
-    from dflash_kernels.ops.conv1d import conv1d as conv_mod
-    kernel = conv_mod._fwd
+    from dflash_kernels.ops.conv1d.kernels import conv1d_fwd_kernel as kernel
     x = torch.randn(2, 8, 40)
     w = torch.randn(8, 4)
 
@@ -319,3 +326,212 @@ def test_tune_compile_mode_builds_every_candidate_and_times_none(monkeypatch):
     entry = _Entry()
     assert kernel._choose_config(("k",), (1,), (), {}, 0, entry) is kernel.configs[0]
     assert built == kernel.configs[1:] and entry.tuned_from == "disabled"
+
+
+class _FakeTimer:
+    """Times a candidate as the milliseconds given for its name (the candidate returns its name)."""
+
+    def __init__(self, ms):
+        self.ms = ms
+        self.calls = []
+        self.lock = threading.Lock()
+
+    def __call__(self, fn):
+        with self.lock:
+            name = fn()
+            self.calls.append(name)
+            return self.ms[name]
+
+
+def _candidates():
+    return {"cuda": lambda: "cuda", "triton": lambda: "triton"}
+
+
+def _no_timing(fn):
+    raise AssertionError("timed although it must not be")
+
+
+@pytest.fixture
+def fresh_choice(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DFLASH_KERNELS_TUNE", raising=False)
+    choice = dk.runtime.Choice("test_impl", default="triton", label="test choice", version=lambda: "v1")
+    yield choice
+    choice.reset()
+
+
+def test_choice_times_once_under_threads_and_persists(fresh_choice):
+    cpu = torch.device("cpu")
+    timer = _FakeTimer({"triton": 2.0, "cuda": 1.0})
+    key = ("fwd", 1)
+    results, barrier = [], threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        results.append(fresh_choice.get(cpu, key) or fresh_choice.choose(key, cpu, _candidates(), timer=timer))
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == ["cuda"] * 8
+    assert sorted(timer.calls) == ["cuda", "triton"], "each candidate timed exactly once for the key"
+    assert fresh_choice.get(cpu, key) == "cuda"
+    saved = tuning.store().get(-1, "test_impl|v1|('fwd', 1)")
+    assert saved["impl"] == "cuda" and saved["ms"] == {"triton": 2.0, "cuda": 1.0}
+
+    # A new process (in-memory choices dropped) reads the winner from disk without timing, in strict
+    # mode too: nothing needs measuring.
+    fresh_choice.reset()
+    tuning._store = None
+    assert fresh_choice.get(cpu, key) is None
+    with dk.strict():
+        assert fresh_choice.choose(key, cpu, _candidates(), timer=_no_timing) == "cuda"
+
+    # The slower candidate loses; on a tie the first listed wins.
+    slow_cuda = _FakeTimer({"triton": 1.0, "cuda": 3.0})
+    assert fresh_choice.choose(("fwd", 2), cpu, _candidates(), timer=slow_cuda) == "triton"
+    tie = _FakeTimer({"triton": 1.0, "cuda": 1.0})
+    assert fresh_choice.choose(("fwd", 3), cpu, _candidates(), timer=tie) == "cuda"
+    # A changed version is a new entry: timed again.
+    fresh_choice._version = lambda: "v2"
+    fresh_choice.reset()
+    again = _FakeTimer({"triton": 2.0, "cuda": 1.0})
+    assert fresh_choice.choose(key, cpu, _candidates(), timer=again) == "cuda" and again.calls
+
+
+@pytest.mark.parametrize("tune", ["0", "compile"])
+def test_choice_untimed_takes_the_default(fresh_choice, monkeypatch, tune):
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", tune)
+    assert fresh_choice.choose(("fwd", 1), torch.device("cpu"), _candidates(), timer=_no_timing) == "triton"
+    assert tuning.store().get(-1, fresh_choice.persist_name(("fwd", 1))) is None, "an untimed choice is not persisted"
+
+
+def test_choice_strict_mode_raises_on_an_unmeasured_key(fresh_choice):
+    with dk.strict():
+        with pytest.raises(dk.KernelCacheMiss, match=r"test choice for bucket \('fwd', 1\) is not measured yet"):
+            fresh_choice.choose(("fwd", 1), torch.device("cpu"), _candidates(), timer=_no_timing)
+    assert fresh_choice.get(torch.device("cpu"), ("fwd", 1)) is None
+
+
+def test_reset_cache_forgets_choices(fresh_choice):
+    cpu = torch.device("cpu")
+    fresh_choice.choose(("fwd", 1), cpu, _candidates(), timer=_FakeTimer({"triton": 2.0, "cuda": 1.0}))
+    assert fresh_choice.get(cpu, ("fwd", 1)) == "cuda"
+    dk.reset_cache()
+    assert fresh_choice.get(cpu, ("fwd", 1)) is None
+
+
+@pytest.fixture
+def private_registry(monkeypatch):
+    """A copy of the backends' registry and settings, so that a test op leaves no trace."""
+    monkeypatch.setattr(backends, "_ops", dict(backends._ops))
+    monkeypatch.setattr(backends, "_chosen", {})
+    monkeypatch.delenv("DFLASH_KERNELS_BACKEND", raising=False)
+
+
+def test_op_calls_the_implementation_of_the_resolved_backend(private_registry):
+    op = dk.runtime.Op("toy", peers={"peer": "json"}, extra={"ext": lambda: True})
+    second = op.function("toy_second")
+    op.impl("triton", "interpret")(lambda x: ("kernels", x))
+    op.impl("reference")(lambda x: ("reference", x))
+    op.impl("peer")(lambda x: ("peer", x))
+    op.impl("ext")(lambda x: ("ext", x))
+    second.impl("reference")(lambda x: ("second reference", x))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)  # resolving reads the device type only
+    assert op(cuda, 1) == ("kernels", 1)
+    assert op(cpu, 2) == ("kernels" if dk.runtime.interpreting() else "reference", 2)
+    assert op.backend(cpu) == ("interpret" if dk.runtime.interpreting() else "reference")
+    dk.set_backend("toy", "reference")
+    assert op(cuda, 3) == ("reference", 3) and second(cuda, 4) == ("second reference", 4)
+    dk.set_backend("toy", "peer")
+    assert op(cuda, 5) == ("peer", 5)
+    with pytest.raises(dk.BackendUnavailable, match="toy_second: backend 'peer' has no implementation"):
+        second(cuda, 6)
+    with pytest.raises(dk.BackendUnavailable, match="peer backend 'peer' needs CUDA tensors"):
+        op(cpu, 7)
+    dk.set_backend("toy", "ext")
+    assert op(cpu, 8) == ("ext", 8)
+    for bad in ("nope", "auto"):
+        with pytest.raises(ValueError, match=f"names: '{bad}' is not a backend of op 'toy'"):
+            op.impl(bad)
+
+
+def _public_ops():
+    from dflash_kernels.ops.attention import attention
+    from dflash_kernels.ops.conv1d import conv1d
+    from dflash_kernels.ops.gated_delta_rule import gated_delta_rule
+    return {"block_sparse_attention": attention._attention, "causal_conv1d": conv1d._conv,
+            "causal_conv1d_update": conv1d._conv_update, "chunk_gated_delta_rule": gated_delta_rule._gdn,
+            "fused_recurrent_gated_delta_rule": gated_delta_rule._gdn_recurrent}
+
+
+@pytest.mark.parametrize("function", sorted(_public_ops()))
+def test_every_backend_of_every_public_function_is_implemented(function):
+    op = _public_ops()[function]
+    assert set(op._impls) == set(backends._names(op.name)) - {"auto"}
+
+
+def _reference_calls(function):
+    """(naive module, naive function name, a call of the public function on small CPU inputs, its mask
+    built inside the call)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    if function == "block_sparse_attention":
+        from dflash_kernels.ops.attention import naive
+        return naive, "naive_block_sparse_attention", lambda: dk.block_sparse_attention(
+            rand(1, 8, 2, 64), rand(1, 16, 1, 64), rand(1, 16, 1, 64),
+            dk.dflash_block_mask(torch.tensor([[3, 7]]), 8, 4, kv_tile=16))
+    if function.startswith("causal_conv1d"):
+        from dflash_kernels.ops.conv1d import naive
+        if function == "causal_conv1d":
+            return naive, "naive_causal_conv1d", lambda: dk.causal_conv1d(rand(1, 4, 8), rand(4, 4), None, "silu")
+        return naive, "naive_causal_conv1d_update", lambda: dk.causal_conv1d_update(
+            rand(1, 4), rand(1, 4, 3), rand(4, 4), None, "silu")
+    from dflash_kernels.ops.gated_delta_rule import naive
+    q, k, v = rand(1, 5, 1, 16), torch.nn.functional.normalize(rand(1, 5, 1, 16), dim=-1), rand(1, 5, 2, 16)
+    g_, beta = -torch.rand(1, 5, 2, generator=g), torch.rand(1, 5, 2, generator=g)
+    return naive, "naive_recurrent_gated_delta_rule", lambda: getattr(dk, function)(
+        q, k, v, g_, beta, output_final_state=True)
+
+
+@pytest.mark.parametrize("function", sorted(_public_ops()))
+def test_reference_backend_runs_the_naive_reference(monkeypatch, function):
+    """Backend ``reference``: the public function's result is the naive reference's (the mask's reverse
+    index built with tensor ops, not the kernels)."""
+    from dflash_kernels.ops.attention import mask as mask_module
+
+    def no_kernels(*args):
+        raise AssertionError("the reverse index was built by the kernels under the reference backend")
+    monkeypatch.setattr(mask_module, "_reverse_index_triton", no_kernels)
+    op = _public_ops()[function]
+    module, name, call = _reference_calls(function)
+    real, calls = getattr(module, name), []
+
+    def recorded(*args, **kwargs):
+        calls.append(name)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, recorded)
+    try:
+        dk.set_backend(op.name, "reference")
+        out = call()
+    finally:
+        dk.set_backend(op.name, "auto")
+    assert calls == [name]
+    first = out[0] if isinstance(out, tuple) else out
+    assert isinstance(first, torch.Tensor) and torch.isfinite(first).all()
+
+
+def test_reference_module_exports_each_naive_reference_under_its_names():
+    from dflash_kernels import reference
+    from dflash_kernels.ops.attention import naive as attention_naive
+    from dflash_kernels.ops.conv1d import naive as conv_naive
+    from dflash_kernels.ops.gated_delta_rule import naive as gdn_naive
+    assert reference.sdpa_dense is reference.naive_block_sparse_attention is attention_naive.naive_block_sparse_attention
+    assert reference.dense_mask is reference.naive_dense_mask is attention_naive.naive_dense_mask
+    assert reference.causal_conv1d_ref is reference.naive_causal_conv1d is conv_naive.naive_causal_conv1d
+    assert reference.causal_conv1d_update_ref is conv_naive.naive_causal_conv1d_update
+    assert reference.naive_recurrent_gated_delta_rule is gdn_naive.naive_recurrent_gated_delta_rule
+    assert all(hasattr(reference, name) for name in reference.__all__)

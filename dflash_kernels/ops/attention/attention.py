@@ -1,52 +1,22 @@
-"""Block-sparse attention: launchers, the custom_op pair with its autograd, and the public functional."""
+"""Block-sparse attention: launchers, the custom_op pair with its autograd, and the public function."""
 
 import math
 
 import torch
 import triton
 
-from dflash_kernels.ops.attention import kernels
-from dflash_kernels.ops.attention.mask import BlockSparseMask, dflash_block_mask
-from dflash_kernels.runtime import Config, TritonKernel, alloc, register_op, register_precompile, resolve
+from dflash_kernels.ops.attention.checks import check_attention_inputs
+from dflash_kernels.ops.attention.kernels import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
+                                                  attention_bwd_preprocess_kernel, attention_fwd_kernel)
+from dflash_kernels.ops.attention.mask import dflash_block_mask
+from dflash_kernels.runtime import Op, alloc, bucket, register_precompile
 from dflash_kernels.runtime.autograd import differentiable_op
-from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd"]
 
-HEAD_DIMS = (64, 128, 256)
 LOG2E = math.log2(math.e)  # the kernels take the softmax scale premultiplied by it (they use exp2)
 
-# GPB: query groups stacked in one program (rows = GPB * BM). Two DFlash blocks x 4 heads make a
-# 128-row tile; their rows keep their own key ranges, masked only where those differ.
-_row_configs = [
-    Config(BN=64, GPB=1, num_warps=4, num_stages=3),
-    Config(BN=64, GPB=1, num_warps=4, num_stages=2),
-    Config(BN=128, GPB=1, num_warps=8, num_stages=2),
-    Config(BN=64, GPB=2, num_warps=8, num_stages=2),
-    Config(BN=64, GPB=2, num_warps=8, num_stages=3),
-    Config(BN=128, GPB=2, num_warps=8, num_stages=2),
-    Config(BN=32, GPB=1, num_warps=4, num_stages=2),  # D=256: the only shared-memory fit for the backward
-]
-attn_fwd_kernel = TritonKernel(kernels._attn_fwd_kernel, name="block_sparse_attn_fwd", configs=_row_configs,
-                               interpret_config=Config(BN=16, GPB=2))
-# The same candidates for dq, with the one the H200's tuner chose at the DFlash shapes first: the first
-# candidate is what an untuned run (DFLASH_KERNELS_TUNE=0) launches (the next that fits, if it does not).
-attn_bwd_dq_kernel = TritonKernel(kernels._attn_bwd_dq_kernel, name="block_sparse_attn_bwd_dq",
-                                  configs=[_row_configs[4]] + _row_configs[:4] + _row_configs[5:],
-                                  interpret_config=Config(BN=16, GPB=2))
-# The dk/dv kernel's key tile is the mask's kv_tile (the reverse index is built for it) or, with
-# SPLIT=2, half of it; tuned: that split, how many row tiles (EPI) one step stacks, launch options.
-# The SPLIT=2 candidates are the ones that do not spill registers at D=128 (kernels.py); a split
-# that leaves fewer than 16 keys does not compile and is no candidate.
-attn_bwd_dkdv_kernel = TritonKernel(
-    kernels._attn_bwd_dkdv_kernel, name="block_sparse_attn_bwd_dkdv",
-    configs=[Config(EPI=1, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=1, SPLIT=1, num_warps=4, num_stages=3),
-             Config(EPI=2, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=2, SPLIT=1, num_warps=8, num_stages=2),
-             Config(EPI=2, SPLIT=1, num_warps=8, num_stages=3), Config(EPI=1, SPLIT=2, num_warps=8, num_stages=2),
-             Config(EPI=2, SPLIT=2, num_warps=8, num_stages=2), Config(EPI=1, SPLIT=2, num_warps=4, num_stages=2)],
-    interpret_config=Config(EPI=2, SPLIT=1))  # the stacked path, odd entry counts included
-attn_bwd_preprocess_kernel = TritonKernel(kernels._attn_bwd_preprocess_kernel, name="block_sparse_attn_bwd_pre",
-                                          configs=[Config(BT=64, num_warps=4)], interpret_config=Config(BT=16))
+_attention = Op("attention")
 
 
 def _row_tiling(q_block: int, G: int, D: int):
@@ -75,22 +45,18 @@ def _common(q, k, segments, q_block, tile_width, tiles):
     return B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta
 
 
-def _bucket(Tq, Tk):
-    return (triton.next_power_of_2(Tq), triton.next_power_of_2(Tk))
-
-
 def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale):
     """Launch the forward. Inputs contiguous ``[B, T, H, D]``; returns ``o`` like q and lse fp32 ``[B, Hq, Tq]``."""
     B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta = _common(q, k, segments, q_block, tile_width, tiles)
     o = alloc.empty_like(q)
     lse = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     NC = G // meta["GH"]
-    attn_fwd_kernel(
+    attention_fwd_kernel(
         lambda m: (triton.cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, o, lse, segments, seg_count, tiles,
         Tq, Tk, NG, MS, MB, Hq, Hkv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        scale * LOG2E, bucket=_bucket(Tq, Tk), **meta)
+        scale * LOG2E, bucket=(bucket(Tq), bucket(Tk)), **meta)
     return o, lse
 
 
@@ -100,25 +66,25 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
     B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta = _common(q, k, segments, q_block, tile_width, tiles)
     D = meta["D"]
     delta = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-    attn_bwd_preprocess_kernel(
+    attention_bwd_preprocess_kernel(
         lambda m: (triton.cdiv(Tq, m["BT"]), B * Hq), o, do, delta, Tq, Hq,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        bucket=_bucket(Tq, 1), D=D)
+        bucket=(bucket(Tq), 1), D=D)
     dq = alloc.empty_like(q)
     dk = alloc.empty_like(k)
     dv = alloc.empty_like(v)
     NC = G // meta["GH"]
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    attn_bwd_dq_kernel(
+    attention_bwd_dq_kernel(
         lambda m: (triton.cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
         Tq, Tk, NG, MS, MB, Hq, Hkv, *strides, scale * LOG2E, scale,
-        bucket=_bucket(Tq, Tk), **meta)
+        bucket=(bucket(Tq), bucket(Tk)), **meta)
     NKV = triton.cdiv(Tk, kv_tile)
-    attn_bwd_dkdv_kernel(
+    attention_bwd_dkdv_kernel(
         lambda m: (NKV * m["SPLIT"], B * Hkv), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full,
         rev_entries, tiles, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, *strides, scale * LOG2E, scale,
-        bucket=_bucket(Tq, Tk), KVT=kv_tile, **meta)
+        bucket=(bucket(Tq), bucket(Tk)), KVT=kv_tile, **meta)
     return dq, dk, dv
 
 
@@ -171,37 +137,18 @@ def _backward(ctx, do, dlse):
 _fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
 
 
-def _check(q, k, v, mask, scale):
-    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("v", v, ndim=4, dtypes=FLOAT_DTYPES)
-    check_same_device(q=q, k=k, v=v)
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"k, v: dtypes must equal q's {q.dtype}, got k {k.dtype} and v {v.dtype}")
-    B, Tq, Hq, D = q.shape
-    if tuple(v.shape) != tuple(k.shape) or k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k, v: expected shape [B={B}, Tk, Hkv, D={D}] each, got k {tuple(k.shape)} "
-                         f"and v {tuple(v.shape)}")
-    if D not in HEAD_DIMS:
-        raise ValueError(f"q: head dim D must be one of {HEAD_DIMS}, got {D}")
-    Hkv = k.shape[2]
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"k: Hq={Hq} must be a multiple of Hkv={Hkv}")
-    if not isinstance(mask, BlockSparseMask):
-        raise TypeError(f"mask: expected a BlockSparseMask (dflash_block_mask, causal_block_mask, "
-                        f"from_flex_block_mask), got {type(mask).__name__}")
-    if mask.q_len != Tq or mask.kv_len != k.shape[1]:
-        raise ValueError(f"mask: built for Tq={mask.q_len}, Tk={mask.kv_len} but q has Tq={Tq} and k "
-                         f"has Tk={k.shape[1]}")
-    if mask.batch_size not in (1, B):
-        raise ValueError(f"mask: batch size {mask.batch_size} must be 1 or B={B}")
-    if mask.device != q.device:
-        raise ValueError(f"mask: is on {mask.device} but q is on {q.device}; use mask.to(q.device)")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+@_attention.impl("triton", "interpret")
+def _attention_kernels(q, k, v, mask, scale):
+    return _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
+                               mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries, mask.q_block,
+                               mask.kv_tile, mask.tile_width, scale)
 
 
-register_op("attention")
+@_attention.impl("reference")
+def _attention_reference(q, k, v, mask, scale):
+    from dflash_kernels.ops.attention.naive import naive_block_sparse_attention
+
+    return naive_block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
 
 
 def block_sparse_attention(q, k, v, mask, scale=None, return_lse=False):
@@ -221,16 +168,9 @@ def block_sparse_attention(q, k, v, mask, scale=None, return_lse=False):
         o ``[B, Tq, Hq, D]`` in q's dtype, or ``(o, lse)``. Rows that see no key get o = 0,
         lse = -inf, and contribute zero gradient. The backward is deterministic (no atomics).
     """
-    _check(q, k, v, mask, scale)
+    check_attention_inputs(q, k, v, mask, scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    backend = resolve("attention", q.device)
-    if backend == "reference":
-        from dflash_kernels.ops.attention.reference import sdpa_dense
-        out = sdpa_dense(q, k, v, mask, scale=scale, return_lse=True)
-    else:
-        out = _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
-                      mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries, mask.q_block, mask.kv_tile,
-                      mask.tile_width, scale)
+    out = _attention(q.device, q, k, v, mask, scale)
     return out if return_lse else out[0]
 
 

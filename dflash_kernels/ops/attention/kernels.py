@@ -1,4 +1,4 @@
-"""Triton kernels of block-sparse attention: forward, dq, dk/dv, and the backward's preprocess.
+"""Triton kernels of block-sparse attention (forward, dq, dk/dv, the backward's preprocess) and their tuning candidates.
 
 Layout ``[B, T, H, D]``. A forward / dq program's rows are ``GPB`` query groups of the mask
 (``BQ`` positions each) times ``GH`` query heads of one GQA group; the mask is the same for every
@@ -24,6 +24,8 @@ instruction) replaces ``exp``; the stored lse is converted back to the natural l
 
 import triton
 import triton.language as tl
+
+from dflash_kernels.runtime import Config, TritonKernel
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -125,7 +127,7 @@ def _segment_plan(segments, n_seg, grp, s_i, q0, MS, BQ: tl.constexpr, BN: tl.co
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB"])
-def _attn_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
+def _attention_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
                      Tq, Tk, NG, MS, MB, Hq, Hkv,
                      stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                      stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
@@ -171,7 +173,7 @@ def _attn_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
 
 
 @triton.jit(do_not_specialize=["Tq"])
-def _attn_bwd_preprocess_kernel(o, do, delta, Tq, Hq, stride_ob, stride_ot, stride_oh,
+def _attention_bwd_preprocess_kernel(o, do, delta, Tq, Hq, stride_ob, stride_ot, stride_oh,
                                 stride_dob, stride_dot, stride_doh,
                                 D: tl.constexpr, BT: tl.constexpr):
     """delta[b, h, t] = sum_d o * do: the softmax backward's row term."""
@@ -233,7 +235,7 @@ def _dq_inner(dq, q, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB"])
-def _attn_bwd_dq_kernel(q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
+def _attention_bwd_dq_kernel(q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
                         Tq, Tk, NG, MS, MB, Hq, Hkv,
                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
@@ -322,7 +324,7 @@ def _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, ti
 
 
 @triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB", "NKV"])
-def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full, rev_entries, tiles,
+def _attention_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full, rev_entries, tiles,
                           Tq, Tk, NG, MS, MB, NKV, Hq, Hkv,
                           stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                           stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
@@ -337,8 +339,8 @@ def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets
     The index is built for ``KVT``-wide key tiles; a program covers ``BN = KVT // SPLIT`` keys of one
     of them and walks that tile's entries (an entry unmasked for the whole tile is unmasked for any
     part of it; masked ones keep their element mask). SPLIT = 2 halves the per-program dk/dv tiles,
-    which is what keeps this kernel's registers from spilling at D = 128 (spills measured with
-    cuobjdump on sm_90 builds: hundreds of local loads per step at BN = 64, a handful at BN = 32)."""
+    which is what keeps this kernel's registers from spilling at D = 128 (sm_90 builds, cuobjdump:
+    many local loads per step at BN = 64, a few at BN = 32; benchmarks/sm90_resources.py)."""
     BN: tl.constexpr = KVT // SPLIT
     tl.static_assert(BN >= 16)
     pid_n = tl.program_id(0)
@@ -373,3 +375,37 @@ def _attn_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets
     dv_ptrs = dv + b64 * stride_vb + kv[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
     tl.store(dk_ptrs, (dka * sm_scale).to(dk.dtype.element_ty), mask=kv_ok[:, None])
     tl.store(dv_ptrs, dva.to(dv.dtype.element_ty), mask=kv_ok[:, None])
+
+
+# GPB: query groups stacked in one program (rows = GPB * BM). Two DFlash blocks x 4 heads make a
+# 128-row tile; their rows keep their own key ranges, masked only where those differ.
+_row_configs = [
+    Config(BN=64, GPB=1, num_warps=4, num_stages=3),
+    Config(BN=64, GPB=1, num_warps=4, num_stages=2),
+    Config(BN=128, GPB=1, num_warps=8, num_stages=2),
+    Config(BN=64, GPB=2, num_warps=8, num_stages=2),
+    Config(BN=64, GPB=2, num_warps=8, num_stages=3),
+    Config(BN=128, GPB=2, num_warps=8, num_stages=2),
+    Config(BN=32, GPB=1, num_warps=4, num_stages=2),  # D=256: the only shared-memory fit for the backward
+]
+attention_fwd_kernel = TritonKernel(_attention_fwd_kernel, name="block_sparse_attn_fwd", configs=_row_configs,
+                                    interpret_config=Config(BN=16, GPB=2))
+# The same candidates for dq, with the one the tuner chose at the DFlash shapes on the H200 first: the
+# first candidate is what an untuned run (DFLASH_KERNELS_TUNE=0) launches (the next that fits, if it
+# does not).
+attention_bwd_dq_kernel = TritonKernel(_attention_bwd_dq_kernel, name="block_sparse_attn_bwd_dq",
+                                       configs=[_row_configs[4]] + _row_configs[:4] + _row_configs[5:],
+                                       interpret_config=Config(BN=16, GPB=2))
+# The dk/dv kernel's key tile is the mask's kv_tile (the reverse index is built for it) or, with
+# SPLIT=2, half of it; tuned: that split, how many row tiles (EPI) one step stacks, launch options.
+# The SPLIT=2 candidates are the ones that do not spill registers at D=128 (see the kernel); a split
+# that leaves fewer than 16 keys does not compile and is no candidate.
+attention_bwd_dkdv_kernel = TritonKernel(
+    _attention_bwd_dkdv_kernel, name="block_sparse_attn_bwd_dkdv",
+    configs=[Config(EPI=1, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=1, SPLIT=1, num_warps=4, num_stages=3),
+             Config(EPI=2, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=2, SPLIT=1, num_warps=8, num_stages=2),
+             Config(EPI=2, SPLIT=1, num_warps=8, num_stages=3), Config(EPI=1, SPLIT=2, num_warps=8, num_stages=2),
+             Config(EPI=2, SPLIT=2, num_warps=8, num_stages=2), Config(EPI=1, SPLIT=2, num_warps=4, num_stages=2)],
+    interpret_config=Config(EPI=2, SPLIT=1))  # the stacked path, odd entry counts included
+attention_bwd_preprocess_kernel = TritonKernel(_attention_bwd_preprocess_kernel, name="block_sparse_attn_bwd_pre",
+                                               configs=[Config(BT=64, num_warps=4)], interpret_config=Config(BT=16))

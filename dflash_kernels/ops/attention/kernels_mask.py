@@ -11,6 +11,8 @@ the order of the reference's stable sort, so the dk/dv sums stay deterministic a
 import triton
 import triton.language as tl
 
+from dflash_kernels.runtime import Config, TritonKernel
+
 
 @triton.jit
 def _pair_flags(segments, seg_count, b, p, NG, MS, n0, q_len, q_block, kv_tile):
@@ -35,7 +37,8 @@ def _pair_flags(segments, seg_count, b, p, NG, MS, n0, q_len, q_block, kv_tile):
 
 
 @triton.jit(do_not_specialize=["NG", "MS", "NKV", "q_len", "q_block", "kv_tile"])
-def _rev_count_kernel(segments, seg_count, counts, NG, MS, NKV, q_len, q_block, kv_tile, BP: tl.constexpr):
+def _attention_mask_rev_count_kernel(segments, seg_count, counts, NG, MS, NKV, q_len, q_block, kv_tile,
+                                     BP: tl.constexpr):
     """counts ``[2, MB * NKV]``: the pairs reaching key tile n of batch element b (row 0) and how many
     of them see the whole tile (row 1)."""
     n = tl.program_id(0)
@@ -53,8 +56,8 @@ def _rev_count_kernel(segments, seg_count, counts, NG, MS, NKV, q_len, q_block, 
 
 
 @triton.jit(do_not_specialize=["NG", "MS", "NKV", "q_len", "q_block", "kv_tile"])
-def _rev_fill_kernel(segments, seg_count, offsets, counts, entries, NG, MS, NKV, q_len, q_block, kv_tile,
-                     BP: tl.constexpr):
+def _attention_mask_rev_fill_kernel(segments, seg_count, offsets, counts, entries, NG, MS, NKV, q_len, q_block,
+                                    kv_tile, BP: tl.constexpr):
     """Write the pairs of key tile n at ``entries[offsets[b * NKV + n]:]``: full ones, then masked."""
     n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -73,3 +76,9 @@ def _rev_fill_kernel(segments, seg_count, offsets, counts, entries, NG, MS, NKV,
         tl.store(entries + pos * 2 + 1, s.to(tl.int32), mask=listed)
         next_full += tl.sum(f, 0)
         next_masked += tl.sum(m, 0)
+
+
+attention_mask_rev_count_kernel = TritonKernel(_attention_mask_rev_count_kernel, name="mask_rev_count",
+                                               configs=[Config(BP=256, num_warps=4)], interpret_config=Config(BP=64))
+attention_mask_rev_fill_kernel = TritonKernel(_attention_mask_rev_fill_kernel, name="mask_rev_fill",
+                                              configs=[Config(BP=256, num_warps=4)], interpret_config=Config(BP=64))

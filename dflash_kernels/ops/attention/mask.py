@@ -24,15 +24,16 @@ built on the masks' device in time proportional to the number of segments plus v
 without host synchronisation (the DFlash builder's anchor range check is the one): segments with
 tensor ops, the reverse index with two Triton kernels (``kernels_mask.py``) where the attention
 backend is Triton or the interpreter, else with tensor ops and a sort (``_reverse_index``, also the
-reference the kernels are tested against).
+reference the kernels are tested against). Argument checks: ``checks.py``.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from dflash_kernels.ops.attention import kernels_mask
-from dflash_kernels.runtime import Config, TritonKernel, alloc, backends
+from dflash_kernels.ops.attention import checks  # whole module: checks.py imports this one (see there)
+from dflash_kernels.ops.attention.kernels_mask import attention_mask_rev_count_kernel, attention_mask_rev_fill_kernel
+from dflash_kernels.runtime import alloc, backends
 
 __all__ = ["BlockSparseMask", "dflash_block_mask", "causal_block_mask", "from_flex_block_mask", "NO_DIAGONAL"]
 
@@ -103,13 +104,6 @@ class BlockSparseMask:
         return total
 
 
-def _check_int(name, value, low):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name}: must be >= {low}, got {value}")
-
-
 def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len):
     """CSR of the (group, segment) pairs whose keys fall in each ``kv_tile``-wide key tile.
 
@@ -148,31 +142,25 @@ def _reverse_index(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len
     return offsets.to(torch.int32), n_full.to(torch.int32), entries
 
 
-# The reverse index on the GPU (and under the interpreter): kernels_mask.py, two launches and a prefix sum.
-_rev_count = TritonKernel(kernels_mask._rev_count_kernel, name="mask_rev_count", configs=[Config(BP=256, num_warps=4)],
-                          interpret_config=Config(BP=64))
-_rev_fill = TritonKernel(kernels_mask._rev_fill_kernel, name="mask_rev_fill", configs=[Config(BP=256, num_warps=4)],
-                         interpret_config=Config(BP=64))
-
-
 def _reverse_index_triton(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len):
-    """``_reverse_index`` by the Triton kernels; the same result on the listed entries (rows past
-    ``offsets[-1]`` are unused and left unwritten)."""
+    """``_reverse_index`` by the Triton kernels (kernels_mask.py: two launches and a prefix sum); the
+    same result on the listed entries (rows past ``offsets[-1]`` are unused and left unwritten)."""
     dev = segments.device
     MB, NG, MS, _ = segments.shape
     NKV = -(-kv_len // kv_tile)
     T = -(-max_len // kv_tile) + 1
     counts = alloc.empty(2, MB * NKV, dtype=torch.int32, device=dev)
     args = (NG, MS, NKV, q_len, q_block, kv_tile)
-    _rev_count((NKV, MB), segments, seg_count, counts, *args)
+    attention_mask_rev_count_kernel((NKV, MB), segments, seg_count, counts, *args)
     offsets = torch.zeros(MB * NKV + 1, dtype=torch.int32, device=dev)
     torch.cumsum(counts[0], 0, dtype=torch.int32, out=offsets[1:])
     entries = alloc.empty(MB * NG * MS * T, 2, dtype=torch.int32, device=dev)
-    _rev_fill((NKV, MB), segments, seg_count, offsets, counts, entries, *args)
+    attention_mask_rev_fill_kernel((NKV, MB), segments, seg_count, offsets, counts, entries, *args)
     return offsets, counts[1].clone(), entries  # its own allocation: 16-byte aligned like the torch build's
 
 
 def _use_triton_builder(device) -> bool:
+    """The reverse index is built by the kernels where the attention runs on them, else by tensor ops."""
     return backends.resolve("attention", device) in ("triton", "interpret")
 
 
@@ -214,38 +202,10 @@ def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=No
 
     Raises TypeError/ValueError naming the argument for bad dtypes, shapes or anchor values.
     """
-    if not isinstance(anchors, torch.Tensor):
-        raise TypeError(f"anchors: expected a tensor, got {type(anchors).__name__}")
-    if anchors.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"anchors: dtype {anchors.dtype} is not supported; expected torch.int32 or torch.int64")
-    if anchors.dim() != 2 or anchors.shape[1] == 0 or anchors.shape[0] == 0:
-        raise ValueError(f"anchors: expected shape [B, N] with B, N >= 1, got {tuple(anchors.shape)}")
-    _check_int("context_len", context_len, 1)
-    _check_int("block_size", block_size, 1)
-    _check_int("kv_tile", kv_tile, 16)
-    if kv_tile & (kv_tile - 1):
-        raise ValueError(f"kv_tile: must be a power of two, got {kv_tile}")
-    if window is not None:
-        _check_int("window", window, 1)
+    checks.check_dflash_block_mask_args(anchors, context_len, block_size, window, valid, kv_tile, check_range)
     B, N = anchors.shape
     dev = anchors.device
-    if valid is not None:
-        if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
-            raise TypeError(f"valid: expected a bool tensor, got "
-                            f"{valid.dtype if isinstance(valid, torch.Tensor) else type(valid).__name__}")
-        if tuple(valid.shape) != (B, N):
-            raise ValueError(f"valid: expected shape {(B, N)} like anchors, got {tuple(valid.shape)}")
-        if valid.device != dev:
-            raise ValueError(f"valid: is on {valid.device} but anchors is on {dev}")
-    a = anchors.long()
-    bad = (a < 0) | (a > context_len)
-    if valid is not None:
-        bad &= valid
-    if check_range and bool(bad.any()):
-        idx = torch.nonzero(bad)[0].tolist()
-        raise ValueError(f"anchors: every valid anchor must be in [0, context_len] = [0, {context_len}]; "
-                         f"got anchors[{idx[0]}, {idx[1]}] = {int(a[idx[0], idx[1]])}")
-    a = a.clamp(0, context_len)  # anchors of invalid blocks are ignored
+    a = anchors.long().clamp(0, context_len)  # anchors of invalid blocks are ignored
     lo = torch.zeros_like(a) if window is None else (a - window).clamp_min(0)
     own = (context_len + torch.arange(N, device=dev) * block_size).expand(B, N)
     no_diag, no_tile = torch.full_like(a, NO_DIAGONAL), torch.full_like(a, -1)
@@ -268,15 +228,8 @@ def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
         ``q_block`` times the heads packed per tile). kv_tile: the backward's key tile width.
         device: where the structure lives (that of the attention inputs).
     """
-    _check_int("q_len", q_len, 1)
     kv_len = q_len if kv_len is None else kv_len
-    _check_int("kv_len", kv_len, 1)
-    _check_int("q_block", q_block, 1)
-    if q_block > 128:
-        raise ValueError(f"q_block: at most 128 (kernel tile rows), got {q_block}")
-    _check_int("kv_tile", kv_tile, 16)
-    if kv_tile & (kv_tile - 1):
-        raise ValueError(f"kv_tile: must be a power of two, got {kv_tile}")
+    checks.check_causal_block_mask_args(q_len, kv_len, q_block, kv_tile)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     NG = -(-q_len // q_block)
     q0 = torch.arange(NG, device=dev) * q_block
@@ -306,12 +259,8 @@ def from_flex_block_mask(block_mask, kv_tile=64):
         - speed: each kv block is one segment, so a mask with long runs of full blocks loops over
           them one block at a time (still no element masking on full blocks).
     """
+    checks.check_flex_block_mask(block_mask)
     kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices
-    if kv_num is None or kv_idx is None:
-        raise ValueError("block_mask: has no kv_num_blocks / kv_indices")
-    if kv_num.shape[1] != 1:
-        raise ValueError(f"block_mask: head-dependent masks are not supported (head dimension "
-                         f"{kv_num.shape[1]}); build the BlockMask with H=None")
     QB, KB = block_mask.BLOCK_SIZE
     q_len, kv_len = block_mask.seq_lengths
     dev = kv_num.device

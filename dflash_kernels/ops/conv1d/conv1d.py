@@ -1,11 +1,14 @@
-"""Causal depthwise conv1d: host launchers, custom ops with autograd, and the public functionals.
+"""Causal depthwise conv1d: launchers, custom ops with their autograd, the public functions.
 
-Three tiers, as everywhere in the library:
 - launchers (``causal_conv1d_fwd`` / ``causal_conv1d_bwd`` / ``causal_conv1d_update_fwd``): allocate,
-  build the grid, launch through the runtime; no autograd;
+  build the grid, launch; no autograd. Each runs the Triton kernels or the CUDA extension
+  (``cuda.py``, same signatures): backend ``cuda`` forces the extension; ``auto`` on a CUDA input with
+  the extension built runs whichever of the two was timed faster for the shape bucket
+  (``runtime/choice.py``); any other backend runs Triton;
 - ``torch.library.custom_op`` wrappers with fake implementations and registered autograd, so the op
   runs inside a user's ``torch.compile`` without a graph break and under checkpoint;
-- the public functionals, which validate arguments and pick the backend.
+- the public functions: argument checks (``checks.py``), then the op's dispatch (``runtime.Op``) to
+  the configured backend's implementation.
 """
 
 from typing import Optional, Tuple
@@ -13,56 +16,26 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from dflash_kernels.ops.conv1d import cuda as _cuda  # the CUDA extension path (issue 5)
-from dflash_kernels.ops.conv1d.kernels import (
-    causal_conv1d_bwd_kernel,
-    causal_conv1d_fwd_kernel,
-    causal_conv1d_update_kernel,
-)
-from dflash_kernels.runtime import Config, TritonKernel, alloc, backends
+from dflash_kernels.ops.conv1d import cuda
+from dflash_kernels.ops.conv1d.checks import check_conv1d_inputs, check_conv1d_update_inputs, is_channel_last
+from dflash_kernels.ops.conv1d.kernels import (BWD_CHUNK, BWD_CHUNK_MIN, conv1d_bwd_kernel, conv1d_fwd_kernel,
+                                               conv1d_update_kernel)
+from dflash_kernels.runtime import Choice, Op, alloc, bucket, get_backend, register_precompile, settings
 from dflash_kernels.runtime.autograd import differentiable_op
-from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
-from dflash_kernels.runtime.precompile import register_precompile
 
-__all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd"]
+__all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd",
+           "causal_conv1d_update_fwd"]
 
 OP = "conv1d"
-backends.register_op(OP, peers={"causal_conv1d": "causal_conv1d"}, extra={"cuda": _cuda.available})
+_conv = Op(OP, peers={"causal_conv1d": "causal_conv1d"}, extra={"cuda": cuda.available})
+_conv_update = _conv.function("causal_conv1d_update")
 
-_ACTIVATIONS = (None, "silu", "swish")
-_SEQ_DTYPES = (torch.int32, torch.int64)
-_BWD_CHUNK, _BWD_CHUNK_MIN = 1024, 256  # powers of two, multiples of every config's BT
-
-_fwd = TritonKernel(
-    causal_conv1d_fwd_kernel, name="causal_conv1d_fwd",
-    configs=[Config(BD=bd, BT=bt, num_warps=nw) for bd, bt, nw in
-             [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (64, 64, 4), (128, 32, 4), (64, 128, 8),
-              (16, 128, 4), (8, 256, 4), (8, 128, 4), (16, 256, 8)]],
-    interpret_config=Config(BD=16, BT=32),
-)
-# Backward: 16 elements per thread (BD * BT / threads) keep the kernel's registers low (sm_90: 80 with
-# bf16, channel-first) with no spills; two 8-per-thread candidates trade work per thread for occupancy.
-_bwd = TritonKernel(
-    causal_conv1d_bwd_kernel, name="causal_conv1d_bwd",
-    configs=[Config(BD=bd, BT=bt, num_warps=nw) for bd, bt, nw in
-             [(16, 128, 4), (8, 256, 4), (32, 64, 4), (64, 32, 4), (32, 128, 8), (16, 256, 8),
-              (8, 128, 4), (32, 32, 4)]],
-    interpret_config=Config(BD=16, BT=32),
-)
-_update = TritonKernel(
-    causal_conv1d_update_kernel, name="causal_conv1d_update",
-    configs=[Config(BD=bd, num_warps=nw) for bd, nw in [(64, 2), (128, 4), (256, 4)]],
-    interpret_config=Config(BD=16),
-    restore=("state_ptr",),
-)
-
-
-def _bucket(n: int, cap: int) -> int:
-    return triton.next_power_of_2(min(max(n, 1), cap))
-
-
-def _is_channel_last(x: torch.Tensor) -> bool:
-    return x.stride(1) == 1 and x.stride(2) != 1
+# CUDA extension or Triton, per shape bucket. Untimed (tuning off) it is Triton: on the H200 the two
+# channel-first forwards are about as fast, the extension's channel-last forward is several times
+# slower, and forward+backward goes either way by shape (benchmarks/results/README.md); the timed
+# choice finds the faster per bucket, and untimed, the path without a slow layout is the safe one.
+_impl_choice = Choice("conv1d_impl", default="triton", label="conv1d CUDA-vs-Triton choice",
+                      version=cuda.source_hash)
 
 
 def _with_unit_stride(t: torch.Tensor, channel_last: bool) -> torch.Tensor:
@@ -74,25 +47,56 @@ def _with_unit_stride(t: torch.Tensor, channel_last: bool) -> torch.Tensor:
     return t.contiguous()
 
 
-# ---------------------------------------------------------------------------------------- launchers
-# Backend "cuda" runs the CUDA extension's launchers (ops/conv1d/cuda.py, same signatures); under
-# "auto" on a CUDA input with the extension built, the faster of the two per shape bucket runs.
 def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, silu: bool, return_final_states: bool):
     """Forward on the chosen implementation; see ``_triton_fwd`` for the arguments and returns."""
-    return _cuda.dispatch("fwd", backends.get_backend(OP), _triton_fwd, _cuda.cuda_causal_conv1d_fwd,
-                          (x, weight, bias, seq_idx, initial_states, silu, return_final_states))
+    return _run("fwd", _triton_fwd, cuda.cuda_causal_conv1d_fwd,
+                (x, weight, bias, seq_idx, initial_states, silu, return_final_states))
 
 
 def causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool):
     """Backward on the chosen implementation; see ``_triton_bwd``."""
-    return _cuda.dispatch("bwd", backends.get_backend(OP), _triton_bwd, _cuda.cuda_causal_conv1d_bwd,
-                          (dy, dfinal, x, weight, bias, seq_idx, initial_states, silu))
+    return _run("bwd", _triton_bwd, cuda.cuda_causal_conv1d_bwd,
+                (dy, dfinal, x, weight, bias, seq_idx, initial_states, silu))
 
 
 def causal_conv1d_update_fwd(x, conv_state, weight, bias, silu: bool):
     """Decode step on the chosen implementation; see ``_triton_update``."""
-    return _cuda.dispatch("update", backends.get_backend(OP), _triton_update, _cuda.cuda_causal_conv1d_update,
-                          (x, conv_state, weight, bias, silu))
+    return _run("update", _triton_update, cuda.cuda_causal_conv1d_update, (x, conv_state, weight, bias, silu))
+
+
+def _run(kind: str, run_triton, run_cuda, args: tuple):
+    """Run launcher ``kind`` (``fwd`` / ``bwd`` / ``update``) with ``args`` on the implementation that
+    the conv's backend setting picks (module docstring). Forced ``cuda`` without the extension is a
+    clear :class:`BackendUnavailable` from the CUDA launcher, never a silent Triton run."""
+    backend = get_backend(OP)
+    if backend == "cuda":
+        return run_cuda(*args)
+    x = args[2] if kind == "bwd" else args[0]
+    if backend != "auto" or not cuda.available() or x.device.type != "cuda" or settings.interpreting():
+        return run_triton(*args)
+    key = _impl_bucket(kind, args)
+    impl = _impl_choice.get(x.device, key)
+    if impl is None:
+        # The decode step updates conv_state in place: it is timed on a scratch copy.
+        trial = (args[0], args[1].clone()) + tuple(args[2:]) if kind == "update" else args
+        impl = _impl_choice.choose(key, x.device, {"cuda": lambda: run_cuda(*trial),
+                                                   "triton": lambda: run_triton(*trial)})
+    return run_cuda(*args) if impl == "cuda" else run_triton(*args)
+
+
+def _impl_bucket(kind: str, args: tuple) -> tuple:
+    """The key of the CUDA-vs-Triton choice: what changes the kernels run, and the shape buckets."""
+    if kind == "update":
+        x, weight = args[0], args[2]
+        B, D, L = x.shape
+        return ("update", str(x.dtype), weight.shape[1], bucket(L, 64), bucket(B * D, 1 << 20))
+    if kind == "fwd":
+        x, weight, _, seq_idx, initial_states = args[:5]
+    else:
+        x, weight, _, seq_idx, initial_states = args[2], args[3], args[4], args[5], args[6]
+    B, D, T = x.shape
+    return (kind, str(x.dtype), weight.shape[1], is_channel_last(x), seq_idx is not None,
+            initial_states is not None, bucket(T, 1 << 16), bucket(B * D, 1 << 20))
 
 
 def _aligned(channel_last: bool, *tensors) -> bool:
@@ -113,19 +117,19 @@ def _triton_fwd(x, weight, bias, seq_idx, initial_states, silu: bool, return_fin
     """
     B, D, T = x.shape
     W = weight.shape[1]
-    channel_last = _is_channel_last(x)
+    channel_last = is_channel_last(x)
     y = alloc.empty_like(x)
     final = alloc.empty((B, D, W - 1) if return_final_states else (0,), dtype=x.dtype, device=x.device)
     init = initial_states if initial_states is not None else x
     seq = seq_idx if seq_idx is not None else x
-    _fwd(lambda m: (triton.cdiv(T, m["BT"]), triton.cdiv(D, m["BD"]), B),
+    conv1d_fwd_kernel(lambda m: (triton.cdiv(T, m["BT"]), triton.cdiv(D, m["BD"]), B),
          x, weight, bias if bias is not None else weight, seq, init, y, final if return_final_states else y,
          T, D, x.stride(0), x.stride(1), x.stride(2),
          init.stride(0), init.stride(1), init.stride(2), seq.stride(0),
          final.stride(0) if return_final_states else 0,
          final.stride(1) if return_final_states else 0,
          final.stride(2) if return_final_states else 0,
-         bucket=(_bucket(T, 1 << 16), _bucket(B * D, 1 << 20)),
+         bucket=(bucket(T, 1 << 16), bucket(B * D, 1 << 20)),
          W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, HAS_INIT=initial_states is not None,
          HAS_FINAL=return_final_states, ACT=silu, CHANNEL_LAST=channel_last, ALIGNED=_aligned(channel_last, x))
     return y, final
@@ -135,26 +139,25 @@ def _triton_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool
     """Launch the backward. Returns ``(dx, dweight, dbias or None, dinitial_states or None)``."""
     B, D, T = x.shape
     W = weight.shape[1]
-    channel_last = _is_channel_last(x)
+    channel_last = is_channel_last(x)
     dy = _with_unit_stride(dy, channel_last)
     dx = alloc.empty_like(x)
     init = initial_states if initial_states is not None else x
     seq = seq_idx if seq_idx is not None else x
     df = dfinal if dfinal is not None else x
 
-    # Partial dweight/dbias rows, one per chunk of times (a multiple of every config's BT),
-    # so the buffer's size does not depend on which config the tuner picks.
-    chunk = max(_BWD_CHUNK_MIN, min(_BWD_CHUNK, triton.next_power_of_2(T)))
+    # Partial dweight/dbias rows, one per chunk of times (kernels.py: BWD_CHUNK).
+    chunk = max(BWD_CHUNK_MIN, min(BWD_CHUNK, triton.next_power_of_2(T)))
     n_chunks = triton.cdiv(T, chunk)
     dw_part = alloc.empty((B * n_chunks, D, W), device=x.device, dtype=torch.float32)
     db_part = alloc.empty((B * n_chunks, D), device=x.device, dtype=torch.float32) if bias is not None else dw_part
     dinit = alloc.empty((B, D, W - 1), device=x.device, dtype=init.dtype) if initial_states is not None else dw_part
-    _bwd(lambda m: (n_chunks, triton.cdiv(D, m["BD"]), B), x, weight, bias if bias is not None else weight,
+    conv1d_bwd_kernel(lambda m: (n_chunks, triton.cdiv(D, m["BD"]), B), x, weight, bias if bias is not None else weight,
          seq, init, dy, df, dx, dw_part, db_part, dinit,
          T, D, n_chunks, chunk, x.stride(0), x.stride(1), x.stride(2),
          init.stride(0), init.stride(1), init.stride(2), seq.stride(0),
          df.stride(0), df.stride(1), df.stride(2), dy.stride(0), dy.stride(1), dy.stride(2),
-         bucket=(_bucket(T, 1 << 16), _bucket(B * D, 1 << 20)),
+         bucket=(bucket(T, 1 << 16), bucket(B * D, 1 << 20)),
          W=W, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, HAS_INIT=initial_states is not None,
          HAS_DFINAL=dfinal is not None, ACT=silu, CHANNEL_LAST=channel_last,
          ALIGNED=_aligned(channel_last, x, dy))
@@ -169,16 +172,15 @@ def _triton_update(x, conv_state, weight, bias, silu: bool):
     S = conv_state.shape[2]
     W = weight.shape[1]
     y = alloc.empty_like(x)
-    _update(lambda m: (triton.cdiv(D, m["BD"]), B),
+    conv1d_update_kernel(lambda m: (triton.cdiv(D, m["BD"]), B),
             x, conv_state, weight, bias if bias is not None else weight, y,
             L, D, S, x.stride(0), x.stride(1), x.stride(2),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             y.stride(0), y.stride(1), y.stride(2),
-            bucket=(_bucket(B * D, 1 << 20),), W=W, HAS_BIAS=bias is not None, ACT=silu)
+            bucket=(bucket(B * D, 1 << 20),), W=W, HAS_BIAS=bias is not None, ACT=silu)
     return y
 
 
-# ------------------------------------------------------------------------------------- custom ops
 def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor],
               initial_states: Optional[torch.Tensor], silu: bool,
               return_final_states: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -243,22 +245,51 @@ def _(x, conv_state, weight, bias, silu):
     return torch.empty_like(x)
 
 
-# ------------------------------------------------------------------------------------ public API
-def _check_activation(activation):
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
-    return activation is not None
+@_conv.impl("triton", "interpret", "cuda")
+def _conv_kernels(x, weight, bias, activation, seq_idx, initial_states, return_final_states):
+    x = _with_unit_stride(x, is_channel_last(x))
+    y, final = _fwd_differentiable(x, weight.contiguous(), bias.contiguous() if bias is not None else None,
+                                   seq_idx.contiguous() if seq_idx is not None else None, initial_states,
+                                   activation is not None, bool(return_final_states))
+    return (y, final) if return_final_states else y
 
 
-def _check_weight(weight, bias, D):
-    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
-    if weight.shape[0] != D:
-        raise ValueError(f"weight: expected shape [D={D}, W], got {tuple(weight.shape)}")
-    if not 2 <= weight.shape[1] <= 4:
-        raise ValueError(f"weight: width W={weight.shape[1]} is not supported; W must be 2, 3 or 4")
-    check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, optional=True)
-    if bias is not None and bias.shape[0] != D:
-        raise ValueError(f"bias: expected shape [D={D}], got {tuple(bias.shape)}")
+@_conv.impl("reference")
+def _conv_reference(x, weight, bias, activation, seq_idx, initial_states, return_final_states):
+    from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d
+
+    return naive_causal_conv1d(x, weight, bias, activation, seq_idx, initial_states, return_final_states)
+
+
+@_conv.impl("causal_conv1d")
+def _conv_peer(x, weight, bias, activation, seq_idx, initial_states, return_final_states):
+    from causal_conv1d import causal_conv1d_fn  # the one place the peer's conv is imported
+
+    return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
+                            return_final_states=return_final_states, activation=activation)
+
+
+@_conv_update.impl("triton", "interpret", "cuda")
+def _update_kernels(x, conv_state, weight, bias, activation):
+    squeeze = x.dim() == 2
+    x3 = x.unsqueeze(-1) if squeeze else x
+    y = _update_op(x3, conv_state, weight.contiguous(), bias.contiguous() if bias is not None else None,
+                   activation is not None)
+    return y.squeeze(-1) if squeeze else y
+
+
+@_conv_update.impl("reference")
+def _update_reference(x, conv_state, weight, bias, activation):
+    from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d_update
+
+    return naive_causal_conv1d_update(x, conv_state, weight, bias, activation)
+
+
+@_conv_update.impl("causal_conv1d")
+def _update_peer(x, conv_state, weight, bias, activation):
+    from causal_conv1d import causal_conv1d_update as peer_update
+
+    return peer_update(x, conv_state, weight, bias, activation)
 
 
 def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_states=None,
@@ -279,35 +310,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
         y ``[B, D, T]`` in x's dtype and layout, or ``(y, final_states)``. Differentiable in x,
         weight, bias and initial_states.
     """
-    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
-    B, D, T = x.shape
-    _check_weight(weight, bias, D)
-    silu = _check_activation(activation)
-    check_tensor("seq_idx", seq_idx, ndim=2, dtypes=_SEQ_DTYPES, optional=True)
-    if seq_idx is not None and tuple(seq_idx.shape) != (B, T):
-        raise ValueError(f"seq_idx: expected shape [B={B}, T={T}], got {tuple(seq_idx.shape)}")
-    check_tensor("initial_states", initial_states, ndim=3, dtypes=FLOAT_DTYPES, optional=True)
-    W = weight.shape[1]
-    if initial_states is not None and tuple(initial_states.shape) != (B, D, W - 1):
-        raise ValueError(f"initial_states: expected shape [B={B}, D={D}, W-1={W - 1}], "
-                         f"got {tuple(initial_states.shape)}")
-    check_same_device(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states)
-    if T == 0:
-        raise ValueError(f"x: the time dimension is empty, shape {tuple(x.shape)}")
-
-    backend = backends.resolve(OP, x.device)
-    if backend == "reference":
-        from dflash_kernels.ops.conv1d.naive import causal_conv1d_ref
-        return causal_conv1d_ref(x, weight, bias, activation, seq_idx, initial_states, return_final_states)
-    if backend == "causal_conv1d":
-        from causal_conv1d import causal_conv1d_fn
-        return causal_conv1d_fn(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
-                                return_final_states=return_final_states, activation=activation)
-    x = _with_unit_stride(x, _is_channel_last(x))
-    y, final = _fwd_differentiable(x, weight.contiguous(), bias.contiguous() if bias is not None else None,
-                       seq_idx.contiguous() if seq_idx is not None else None, initial_states,
-                       silu, bool(return_final_states))
-    return (y, final) if return_final_states else y
+    check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states)
+    return _conv(x.device, x, weight, bias, activation, seq_idx, initial_states, return_final_states)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
@@ -321,29 +325,10 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     Returns:
         y with x's shape and dtype.
     """
-    check_tensor("x", x, ndim=(2, 3), dtypes=FLOAT_DTYPES)
-    squeeze = x.dim() == 2
-    x3 = x.unsqueeze(-1) if squeeze else x
-    B, D, _ = x3.shape
-    _check_weight(weight, bias, D)
-    silu = _check_activation(activation)
-    check_tensor("conv_state", conv_state, ndim=3, dtypes=FLOAT_DTYPES)
-    W = weight.shape[1]
-    if conv_state.shape[0] != B or conv_state.shape[1] != D or conv_state.shape[2] < W - 1:
-        raise ValueError(f"conv_state: expected shape [B={B}, D={D}, S>={W - 1}], got {tuple(conv_state.shape)}")
-    check_same_device(x=x, conv_state=conv_state, weight=weight, bias=bias)
-    backend = backends.resolve(OP, x.device)
-    if backend == "reference":
-        from dflash_kernels.ops.conv1d.naive import causal_conv1d_update_ref
-        return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
-    if backend == "causal_conv1d":
-        from causal_conv1d import causal_conv1d_update as peer_update
-        return peer_update(x, conv_state, weight, bias, activation)
-    y = _update_op(x3, conv_state, weight.contiguous(), bias.contiguous() if bias is not None else None, silu)
-    return y.squeeze(-1) if squeeze else y
+    check_conv1d_update_inputs(x, conv_state, weight, bias, activation)
+    return _conv_update(x.device, x, conv_state, weight, bias, activation)
 
 
-# ------------------------------------------------------------------------------------- precompile
 @register_precompile(OP)
 def _precompile(shape, dtype, device, backward):
     """shape: ``B, D, T, W`` and optionally ``activation`` ('silu'), ``bias`` (True), ``channel_last`` (False).
@@ -354,7 +339,7 @@ def _precompile(shape, dtype, device, backward):
     T = shape["T"]
     other_T = T - 1 if T % 16 == 0 else -(-T // 16) * 16
     _run_once(shape, dtype, device, backward)
-    if other_T >= 2 and _bucket(other_T, 1 << 16) == _bucket(T, 1 << 16):
+    if other_T >= 2 and bucket(other_T, 1 << 16) == bucket(T, 1 << 16):
         _run_once({**shape, "T": other_T}, dtype, device, backward)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the causal depthwise conv1d: forward, backward, decode update.
+"""Triton kernels of the causal depthwise conv1d (forward, backward, decode update) and their tuning candidates.
 
 Notation: x is ``[B, D, T]`` (channel-first, stride 1 along T) or a channel-last view of a
 ``[B, T, D]`` tensor (stride 1 along D); ``CHANNEL_LAST`` picks which, so the unit stride is known at
@@ -16,6 +16,8 @@ to one read of each input and one write of each output, and each time's activati
 
 import triton
 import triton.language as tl
+
+from dflash_kernels.runtime import Config, TritonKernel
 
 
 @triton.jit
@@ -58,7 +60,7 @@ def _aligned(n):
 
 @triton.jit(do_not_specialize=["T", "D", "stride_xb", "stride_xd", "stride_xt", "stride_ib", "stride_id",
                                "stride_it", "stride_sb", "stride_fb", "stride_fd", "stride_ft"])
-def causal_conv1d_fwd_kernel(
+def _conv1d_fwd_kernel(
     x_ptr, w_ptr, bias_ptr, seq_ptr, init_ptr, y_ptr, final_ptr,
     T, D, stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
     stride_fb, stride_fd, stride_ft,
@@ -123,7 +125,6 @@ def causal_conv1d_fwd_kernel(
                          val.to(final_ptr.dtype.element_ty), mask=d_mask[:, None])
 
 
-# ------------------------------------------------------------------------------------------ backward
 # The backward works on "positions": the times t0 + [0, BT) of a tile are cut into M = BT / V blocks of
 # V consecutive times (V = 16 bytes of x's dtype), and position p stands for the times t0 + m*V + p of
 # all blocks m at once: an [R, M] tensor (R = BD channels, or 1 for sequence ids). Neighbouring times
@@ -308,7 +309,7 @@ def _store_dinit(wl, dfinal_ptr, dinit_ptr, b, d, d_mask, gs, qs, T, D, stride_f
 @triton.jit(do_not_specialize=["T", "D", "NT", "CHUNK", "stride_xb", "stride_xd", "stride_xt", "stride_ib",
                                "stride_id", "stride_it", "stride_sb", "stride_fb", "stride_fd", "stride_ft",
                                "stride_yb", "stride_yd", "stride_yt"])
-def causal_conv1d_bwd_kernel(
+def _conv1d_bwd_kernel(
     x_ptr, w_ptr, bias_ptr, seq_ptr, init_ptr, dy_ptr, dfinal_ptr, dx_ptr, dw_ptr, db_ptr, dinit_ptr,
     T, D, NT, CHUNK, stride_xb, stride_xd, stride_xt, stride_ib, stride_id, stride_it, stride_sb,
     stride_fb, stride_fd, stride_ft, stride_yb, stride_yd, stride_yt,
@@ -428,7 +429,7 @@ def causal_conv1d_bwd_kernel(
 
 @triton.jit(do_not_specialize=["L", "D", "S", "stride_xb", "stride_xd", "stride_xl",
                                "stride_sb", "stride_sd", "stride_ss", "stride_yb", "stride_yd", "stride_yl"])
-def causal_conv1d_update_kernel(
+def _conv1d_update_kernel(
     x_ptr, state_ptr, w_ptr, bias_ptr, y_ptr,
     L, D, S, stride_xb, stride_xd, stride_xl, stride_sb, stride_sd, stride_ss,
     stride_yb, stride_yd, stride_yl,
@@ -477,3 +478,34 @@ def causal_conv1d_update_kernel(
                          mask=d_mask & (src >= S), other=0.0)
         val = tl.where(src < S, from_state.to(tl.float32), from_x.to(tl.float32))
         tl.store(state + j * stride_ss, val.to(state_ptr.dtype.element_ty), mask=d_mask)
+
+
+conv1d_fwd_kernel = TritonKernel(
+    _conv1d_fwd_kernel, name="causal_conv1d_fwd",
+    configs=[Config(BD=bd, BT=bt, num_warps=nw) for bd, bt, nw in
+             [(16, 256, 4), (8, 512, 4), (32, 128, 4), (16, 512, 8), (64, 64, 4), (128, 32, 4), (64, 128, 8),
+              (16, 128, 4), (8, 256, 4), (8, 128, 4), (16, 256, 8)]],
+    interpret_config=Config(BD=16, BT=32),
+)
+# 16 elements per thread (BD * BT / threads) keep the backward's registers low (sm_90 builds, bf16,
+# channel-first: no spills); two 8-per-thread candidates trade work per thread for occupancy.
+conv1d_bwd_kernel = TritonKernel(
+    _conv1d_bwd_kernel, name="causal_conv1d_bwd",
+    configs=[Config(BD=bd, BT=bt, num_warps=nw) for bd, bt, nw in
+             [(16, 128, 4), (8, 256, 4), (32, 64, 4), (64, 32, 4), (32, 128, 8), (16, 256, 8),
+              (8, 128, 4), (32, 32, 4)]],
+    interpret_config=Config(BD=16, BT=32),
+)
+conv1d_update_kernel = TritonKernel(
+    _conv1d_update_kernel, name="causal_conv1d_update",
+    configs=[Config(BD=bd, num_warps=nw) for bd, nw in [(64, 2), (128, 4), (256, 4)]],
+    interpret_config=Config(BD=16),
+    restore=("state_ptr",),
+)
+
+# The backward writes one row of partial dweight / dbias per chunk of CHUNK times (the launcher picks
+# it between these two powers of two). Both are multiples of every candidate's BT, so the buffer's
+# size does not depend on which config the tuner picks.
+BWD_CHUNK, BWD_CHUNK_MIN = 1024, 256
+assert all(BWD_CHUNK_MIN % c.meta["BT"] == 0
+           for c in conv1d_bwd_kernel.configs + [conv1d_bwd_kernel.interpret_config])

@@ -3,9 +3,11 @@
 import torch
 import torch.nn.functional as F
 
+__all__ = ["naive_causal_conv1d", "naive_causal_conv1d_update"]
 
-def causal_conv1d_ref(x, weight, bias=None, activation=None, seq_idx=None, initial_states=None,
-                      return_final_states=False):
+
+def naive_causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_states=None,
+                        return_final_states=False):
     """y[b, d, t] = act(bias[d] + sum_i weight[d, i] * x[b, d, t - (W-1-i)]), in fp32.
 
     x ``[B, D, T]``, weight ``[D, W]``, seq_idx ``[B, T]``, initial_states ``[B, D, W-1]``.
@@ -43,7 +45,7 @@ def causal_conv1d_ref(x, weight, bias=None, activation=None, seq_idx=None, initi
     return y
 
 
-def causal_conv1d_update_ref(x, conv_state, weight, bias=None, activation=None):
+def naive_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     """Decode reference: x ``[B, D]`` or ``[B, D, L]``; updates ``conv_state [B, D, S]`` in place."""
     squeeze = x.dim() == 2
     if squeeze:

@@ -25,12 +25,15 @@ du Y^T part of dA), then a pass over column blocks of K (BKB wide): per block a 
 columns of dO S0^T, U dS1^T and dw, and the block's dq, dk without its dR terms (stored), and its shares
 of dbeta, dG and dA = ... + dw X^T follow. With dA complete come dL and dR, and a second pass over the
 K blocks adds dR K + dR^T K to the stored dk (re-read by the same program after a barrier).
+
+Their TritonKernel wrappers and tuning candidates close the module (``ByPrecision``: kernels_fwd.py).
 """
 
 import triton
 import triton.language as tl
 
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import chunk_bounds, sequence_bounds
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import FP32_CONFIGS, ByPrecision, chunk_bounds, sequence_bounds
+from dflash_kernels.runtime import Config
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -96,7 +99,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
                           BKB: tl.constexpr):
     # K is processed in column blocks of KB: every K-wide product is separable over them, so only one
-    # block's [BT, KB] accumulators are live at a time (the K-wide ones spilled registers on sm_90).
+    # block's [BT, KB] accumulators are live at a time (K-wide ones spill registers on sm_90 builds).
     KB: tl.constexpr = BKB if BKB < BK else BK
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
@@ -196,7 +199,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
 
         # WY representation: w = A X, u = A Y, then A = (I + L)^-1.
         b_X = b_kf * b_bg[:, None]
-        # A^T loaded per block: a transposed register operand hoisted out of the loops held 16 registers.
+        # A^T loaded per block: hoisted out of the loops, the transposed operand holds registers throughout.
         b_At = tl.load(A_ptr + rows[None, :] * (HV * BT) + i_h * BT + o_i[:, None], mask=m_t[None, :], other=0)
         b_dX = tl.dot(b_At.to(dt), b_dw.to(dt))
         b_dA += tl.dot(b_dw.to(dt), tl.trans(b_X.to(dt)))
@@ -238,3 +241,18 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
 
     tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
     tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
+
+
+# LOOP_STAGES=3: the chunk loop pipelined three deep (no register spills on sm_90, where the 2-stage
+# configs spill); forced alone on the H200 it made the forward+backward faster (benchmarks/results).
+gdn_bwd_state_kernel = ByPrecision(
+    _gdn_bwd_state_kernel, "gdn_bwd_state",
+    [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
+     Config(BV=16, num_warps=4), Config(BV=16, num_warps=8), Config(BV=64, num_warps=8, LOOP_STAGES=3)],
+    FP32_CONFIGS)
+gdn_bwd_local_kernel = ByPrecision(
+    _gdn_bwd_local_kernel, "gdn_bwd_local",
+    [Config(BV=32, BKB=64, num_warps=8), Config(BV=64, BKB=64, num_warps=8),
+     Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8)],
+    [Config(BV=16, BKB=64, num_warps=4, num_stages=1), Config(BV=32, BKB=64, num_warps=4, num_stages=1)],
+    Config(BV=16, BKB=16))

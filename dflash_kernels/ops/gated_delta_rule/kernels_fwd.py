@@ -13,15 +13,19 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
 
 Kernels: ``solve`` (G and A) and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential
 S0 -> S1 scan, parallel over sequences, heads and V blocks), which in the forward writes o as it goes
-and in the backward's recompute stores S0 and U per chunk instead.
+and in the backward's recompute stores S0 and U per chunk instead. Their TritonKernel wrappers and
+tuning candidates close the module.
 
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
 (states ``h``) are indexed by the global chunk number, sequence after sequence.
 """
 
+import torch
 import triton
 import triton.language as tl
+
+from dflash_kernels.runtime import Config, TritonKernel
 
 
 @triton.jit
@@ -275,8 +279,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
         p_k = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
         last = tl.minimum(i_t * BT + BT, seqlen) - 1
-        # Loads placed as each variant's own kernel had them: the recompute's k and G only after U,
-        # so they are not live across its product (sm_90: 213 instead of 227 registers at BV=64).
+        # The recompute loads k and G only after U, so they are not live across its product (fewer
+        # registers on sm_90 builds).
         if OUTPUT:
             b_q = tl.load(q_ptr + p_k, mask=m_tk, other=0)
             b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
@@ -306,3 +310,50 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
         b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
         b_h = b_h * tl.exp(b_Glast) + tl.dot(tl.trans(b_kd), b_vnew)
     tl.store(ht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_h, mask=m_kv)
+
+
+class ByPrecision:
+    """One kernel as two TritonKernels with their own candidates: ``default`` for bf16 / fp16 inputs
+    and ``fp32`` (named ``<name>_fp32``) for fp32 inputs.
+
+    fp32 inputs get 4-warp, single-stage configs only: on the H200 with triton 3.6 the backward's local
+    kernel with fp32 (tf32) dots and 8 warps faults (illegal memory access, K=16) or needs more shared
+    memory than the chip has (K=128), and a faulting tuning trial would poison the CUDA context, so
+    such configs must never be candidates.
+    """
+
+    def __init__(self, fn, name, configs, fp32_configs, interpret_config=None):
+        interpret_config = interpret_config or Config(BV=16)
+        self.default = TritonKernel(fn, name=name, configs=configs, interpret_config=interpret_config)
+        self.fp32 = TritonKernel(fn, name=name + "_fp32", configs=fp32_configs, interpret_config=interpret_config)
+
+    def of(self, x: torch.Tensor) -> TritonKernel:
+        """The kernel for inputs of ``x``'s dtype."""
+        return self.fp32 if x.dtype == torch.float32 else self.default
+
+
+# The fp32 candidates of the kernels tiled over V (ByPrecision says why so few).
+FP32_CONFIGS = [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)]
+
+# The solve's substitution holds one [4, 16] row per step: one element per thread at 2 warps.
+gdn_fwd_solve_kernel = ByPrecision(_gdn_fwd_solve_kernel, "gdn_fwd_solve", [Config(num_warps=2), Config(num_warps=4)],
+                                   [Config(num_warps=4, num_stages=1)], Config())
+gdn_fwd_wu_kernel = ByPrecision(
+    _gdn_fwd_wu_kernel, "gdn_fwd_wu",
+    [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)], FP32_CONFIGS)
+# The scan storing each chunk's start state and U (the backward's recompute). Its 8-warp BV <= 32
+# candidates, as the forward's, are those that do not spill registers on sm_90 builds
+# (benchmarks/sm90_resources.py); the tuner times them all.
+gdn_fwd_scan_states_kernel = ByPrecision(
+    _gdn_fwd_scan_kernel, "gdn_fwd_state",
+    [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
+     Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)], FP32_CONFIGS)
+# The forward: the scan with the output fused in. The first candidate (what an untuned run launches)
+# is the tuner's pick at the benchmark shapes on the H200. Single-stage chunk loops are no candidates:
+# at BV=32 they fault there (illegal memory access), at BV=64 they are slower. The 3-stage loop at
+# BV=64 is faster for a single long sequence and slower at larger batches: the tuner picks per bucket.
+gdn_fwd_scan_kernel = ByPrecision(
+    _gdn_fwd_scan_kernel, "gdn_fwd_state_output",
+    [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
+     Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
+     Config(BV=64, num_warps=4, LOOP_STAGES=3)], FP32_CONFIGS)

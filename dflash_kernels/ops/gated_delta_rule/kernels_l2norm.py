@@ -1,4 +1,4 @@
-"""Row-wise L2 normalization of q and k (``use_qk_l2norm_in_kernel``) and its backward.
+"""Triton kernels of the row-wise L2 normalization of q and k (``use_qk_l2norm_in_kernel``) and its backward.
 
 y = x * rstd with rstd = 1 / sqrt(sum(x^2) + eps), eps = 1e-6 as in fla and HF transformers.
 Backward: dx = rstd * (dy - y * sum(dy * y)). With G > 1 the incoming gradient is ``[R, G, D]``, one
@@ -8,9 +8,11 @@ row per value head of the query/key head's group (Hv = G * Hk), summed in a fixe
 import triton
 import triton.language as tl
 
+from dflash_kernels.runtime import Config, TritonKernel
+
 
 @triton.jit(do_not_specialize=["R"])
-def _l2norm_fwd_kernel(x_ptr, y_ptr, rstd_ptr, R, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+def _gdn_l2norm_fwd_kernel(x_ptr, y_ptr, rstd_ptr, R, eps, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
     i_r = tl.program_id(0)
     o_r = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -23,8 +25,8 @@ def _l2norm_fwd_kernel(x_ptr, y_ptr, rstd_ptr, R, eps, D: tl.constexpr, BD: tl.c
 
 
 @triton.jit(do_not_specialize=["R"])
-def _l2norm_bwd_kernel(x_ptr, rstd_ptr, dy_ptr, dx_ptr, R, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr,
-                       G: tl.constexpr = 1):
+def _gdn_l2norm_bwd_kernel(x_ptr, rstd_ptr, dy_ptr, dx_ptr, R, D: tl.constexpr, BD: tl.constexpr,
+                           BR: tl.constexpr, G: tl.constexpr = 1):
     i_r = tl.program_id(0)
     o_r = (i_r * BR + tl.arange(0, BR)).to(tl.int64)
     o_d = tl.arange(0, BD)
@@ -38,3 +40,11 @@ def _l2norm_bwd_kernel(x_ptr, rstd_ptr, dy_ptr, dx_ptr, R, D: tl.constexpr, BD: 
         b_dy += tl.load(dy_ptr + p_dy + j * D, mask=mask, other=0).to(tl.float32)
     b_dx = b_rstd[:, None] * (b_dy - b_y * tl.sum(b_dy * b_y, 1)[:, None])
     tl.store(dx_ptr + p, b_dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+gdn_l2norm_fwd_kernel = TritonKernel(_gdn_l2norm_fwd_kernel, name="gdn_l2norm_fwd",
+                                     configs=[Config(BR=16, num_warps=4), Config(BR=32, num_warps=8)],
+                                     interpret_config=Config(BR=16))
+gdn_l2norm_bwd_kernel = TritonKernel(_gdn_l2norm_bwd_kernel, name="gdn_l2norm_bwd",
+                                     configs=[Config(BR=16, num_warps=4), Config(BR=32, num_warps=8)],
+                                     interpret_config=Config(BR=16))

@@ -15,10 +15,10 @@ the convention of fla's ``naive_recurrent_gated_delta_rule`` and HF transformers
 
 import torch
 
-__all__ = ["naive_recurrent_gated_delta_rule", "l2norm"]
+__all__ = ["naive_recurrent_gated_delta_rule", "naive_l2norm"]
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def naive_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim, the normalization fla and HF apply to q and k."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
@@ -54,7 +54,7 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
         scale = K ** -0.5
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
+        q, k = naive_l2norm(q), naive_l2norm(k)
     group = Hv // Hk
     q = q.repeat_interleave(group, dim=2)
     k = k.repeat_interleave(group, dim=2)

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 
 from dflash_kernels.ops.attention.mask import BlockSparseMask
 
-__all__ = ["dense_mask", "sdpa_dense", "DEFAULT_MEMORY_BUDGET"]
+__all__ = ["naive_dense_mask", "naive_block_sparse_attention", "DEFAULT_MEMORY_BUDGET"]
 
 DEFAULT_MEMORY_BUDGET = 4 << 30  # bytes
 
 
-def dense_mask(mask: BlockSparseMask) -> torch.Tensor:
+def naive_dense_mask(mask: BlockSparseMask) -> torch.Tensor:
     """The boolean ``[MB, Tq, Tk]`` matrix that ``mask`` describes (True = visible)."""
     seg = mask.segments.long()
     MB, NG, MS, _ = seg.shape
@@ -38,8 +38,8 @@ def dense_mask(mask: BlockSparseMask) -> torch.Tensor:
     return out
 
 
-def sdpa_dense(q, k, v, mask: BlockSparseMask, scale=None, return_lse=False,
-               memory_budget=DEFAULT_MEMORY_BUDGET):
+def naive_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, return_lse=False,
+                                 memory_budget=DEFAULT_MEMORY_BUDGET):
     """Block-sparse attention the slow way: dense mask + ``F.scaled_dot_product_attention`` in fp32.
 
     Args:
@@ -60,10 +60,10 @@ def sdpa_dense(q, k, v, mask: BlockSparseMask, scale=None, return_lse=False,
             + 3 * 4 * B * Hq * Tq * Tk  # fp32 scores, probabilities and one temporary
             + 4 * (2 * B * Tq * Hq * D + 2 * B * Tk * Hq * D))  # fp32 q, o and GQA-expanded k, v
     if need > memory_budget:
-        raise ValueError(f"memory_budget: sdpa_dense needs about {need / 2**30:.2f} GiB for B={B}, Tq={Tq}, "
-                         f"Tk={Tk}, Hq={Hq}, D={D}, over the budget of {memory_budget / 2**30:.2f} GiB; "
+        raise ValueError(f"memory_budget: naive_block_sparse_attention needs about {need / 2**30:.2f} GiB for "
+                         f"B={B}, Tq={Tq}, Tk={Tk}, Hq={Hq}, D={D}, over the budget of {memory_budget / 2**30:.2f} GiB; "
                          f"use smaller shapes or pass a larger memory_budget")
-    vis = dense_mask(mask).expand(B, -1, -1)[:, None]  # [B, 1, Tq, Tk]
+    vis = naive_dense_mask(mask).expand(B, -1, -1)[:, None]  # [B, 1, Tq, Tk]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
     vf = v.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)

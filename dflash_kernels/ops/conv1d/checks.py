@@ -1,0 +1,66 @@
+"""Argument checks of the causal conv1d's public functions, and the layout test every launcher shares."""
+
+import torch
+
+from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
+
+__all__ = ["check_conv1d_inputs", "check_conv1d_update_inputs", "is_channel_last"]
+
+_ACTIVATIONS = (None, "silu", "swish")
+_SEQ_DTYPES = (torch.int32, torch.int64)
+
+
+def is_channel_last(x: torch.Tensor) -> bool:
+    """``x`` ``[B, D, T]`` is a channel-last view (unit stride along D) rather than channel-first."""
+    return x.stride(1) == 1 and x.stride(2) != 1
+
+
+def _check_activation(activation) -> bool:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected None, 'silu' or 'swish', got {activation!r}")
+    return activation is not None
+
+
+def _check_weight(weight, bias, D):
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    if weight.shape[0] != D:
+        raise ValueError(f"weight: expected shape [D={D}, W], got {tuple(weight.shape)}")
+    if not 2 <= weight.shape[1] <= 4:
+        raise ValueError(f"weight: width W={weight.shape[1]} is not supported; W must be 2, 3 or 4")
+    check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, optional=True)
+    if bias is not None and bias.shape[0] != D:
+        raise ValueError(f"bias: expected shape [D={D}], got {tuple(bias.shape)}")
+
+
+def check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states) -> bool:
+    """Raise TypeError/ValueError naming the argument; returns whether the SiLU activation is on."""
+    check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
+    B, D, T = x.shape
+    _check_weight(weight, bias, D)
+    silu = _check_activation(activation)
+    check_tensor("seq_idx", seq_idx, ndim=2, dtypes=_SEQ_DTYPES, optional=True)
+    if seq_idx is not None and tuple(seq_idx.shape) != (B, T):
+        raise ValueError(f"seq_idx: expected shape [B={B}, T={T}], got {tuple(seq_idx.shape)}")
+    check_tensor("initial_states", initial_states, ndim=3, dtypes=FLOAT_DTYPES, optional=True)
+    W = weight.shape[1]
+    if initial_states is not None and tuple(initial_states.shape) != (B, D, W - 1):
+        raise ValueError(f"initial_states: expected shape [B={B}, D={D}, W-1={W - 1}], "
+                         f"got {tuple(initial_states.shape)}")
+    check_same_device(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states)
+    if T == 0:
+        raise ValueError(f"x: the time dimension is empty, shape {tuple(x.shape)}")
+    return silu
+
+
+def check_conv1d_update_inputs(x, conv_state, weight, bias, activation) -> bool:
+    """Raise TypeError/ValueError naming the argument; returns whether the SiLU activation is on."""
+    check_tensor("x", x, ndim=(2, 3), dtypes=FLOAT_DTYPES)
+    B, D = x.shape[:2]
+    _check_weight(weight, bias, D)
+    silu = _check_activation(activation)
+    check_tensor("conv_state", conv_state, ndim=3, dtypes=FLOAT_DTYPES)
+    W = weight.shape[1]
+    if conv_state.shape[0] != B or conv_state.shape[1] != D or conv_state.shape[2] < W - 1:
+        raise ValueError(f"conv_state: expected shape [B={B}, D={D}, S>={W - 1}], got {tuple(conv_state.shape)}")
+    check_same_device(x=x, conv_state=conv_state, weight=weight, bias=bias)
+    return silu
