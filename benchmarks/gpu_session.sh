@@ -13,8 +13,8 @@
 # Usage: bash benchmarks/gpu_session.sh [comma list of stages]   (default: all of the above)
 # Knobs: PYTEST_ARGS (default "tests"), PYTEST_WORKERS, T_TEST (per test), TRAIN_ARGS, PIPE_ARGS, TOKS_ARGS
 # (default "--preset embedded"), T_<STAGE> seconds (T_CC1D=0 skips the causal-conv1d peer, T_FLA for fla's conv;
-# GDN_TUNE=0 times the gdn stage untuned; T_CONV is 150 s: tuning the Triton conv from a cold cache took
-# more than the earlier 40 s in session 5). The embedded default is read from
+# GDN_TUNE=0 times the gdn stage untuned; T_CONV is 150 s: tuning the Triton conv from a cold cache takes
+# more than 40 s). The embedded default is read from
 # $XDG_CACHE_HOME/dflash_trainer when a prebuilt one travels in .cache/. Logs and rows go to $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session_out}

@@ -210,7 +210,7 @@ def print_rows(rows):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", nargs="*", default=["all"], help="conv, attention, gdn, overhead or all")
+    parser.add_argument("what", nargs="*", default=["all"], help="conv, attention, gdn, linear_ce, overhead or all")
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
     parser.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/ops.jsonl")
     parser.add_argument("--impls", default="", help="conv: only implementations whose names start with one of "
@@ -218,7 +218,7 @@ def main():
     args = parser.parse_args()
     what = set(args.what)
     if "all" in what:
-        what = {"conv", "attention", "gdn", "overhead"}
+        what = {"conv", "attention", "gdn", "linear_ce", "overhead"}
     cuda = torch.cuda.is_available()
     info = env_info()
     print(f"dflash_kernels {dk.__version__} | {info['gpu']} | torch {info['torch']} | triton {info['triton']}")
@@ -244,6 +244,8 @@ def main():
         rows += bench_optional("bench_attention", args.quick)
     if "gdn" in what:
         rows += bench_optional("bench_gdn", args.quick)
+    if "linear_ce" in what:
+        rows += bench_optional("bench_linear_ce", args.quick)
     print_rows(rows)
     if cuda and not args.no_record:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
