@@ -74,9 +74,10 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         allow_config_change: resume although the config differs from the checkpoint's.
     """
     stop = stop if stop is not None else StopRequest()
+    # The run folder first: a refusal comes before the embedded default is built.
+    resume_from = prepare_run_dir(cfg.out_dir, resume=resume, overwrite=overwrite, log=log)
     cfg = resolve_paths(cfg, log=log)
     dev, dtype = resolve_device(cfg)
-    resume_from = prepare_run_dir(cfg.out_dir, resume=resume, overwrite=overwrite, log=log)
     saved = None
     if resume_from is not None:
         saved = read_checkpoint(resume_from)

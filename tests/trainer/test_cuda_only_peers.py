@@ -78,11 +78,12 @@ def peers_path(tmp_path_factory):
     return root
 
 
-def run(args, peers_path, timeout=600):
+def run(args, peers_path, timeout=600, gpu=False):
     # A machine without the Triton interpreter: dflash_kernels' CPU ops are their torch references.
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DFLASH_TRAINER_FAULT")}
-    env.update(PYTHONPATH=os.pathsep.join([peers_path, ROOT]), DFLASH_KERNELS_BACKEND="attention=reference",
-               CUDA_VISIBLE_DEVICES="")
+    env.update(PYTHONPATH=os.pathsep.join([peers_path, ROOT]))
+    if not gpu:  # the CPU side of a GPU machine: no device visible
+        env.update(DFLASH_KERNELS_BACKEND="attention=reference", CUDA_VISIBLE_DEVICES="")
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -120,3 +121,18 @@ def test_build_preflight_and_training_on_the_cpu(peers_path, tmp_path):
     proc = run(["-m", "trainer.train", "--steps", "2", "--out-dir", str(tmp_path / "run"), *common], peers_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 2/2" in proc.stdout and (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+@pytest.mark.gpu
+def test_fresh_gpu_machine_builds_on_the_gpu_and_runs_the_pipeline_preflight(peers_path, tmp_path):
+    """With a GPU, ``python -m trainer.build_default`` (no --device) builds there on dflash_kernels' ops, and
+    ``python -m trainer.train --target-gpus 0,0 --drafter-gpus 0,0,0 --preflight`` on that default passes.
+    The stand-ins refuse CUDA tensors too, so neither may reach them."""
+    cache = str(tmp_path / "cache")
+    proc = run(["-m", "trainer.build_default", "--cache-dir", cache, "--steps", "5", "--train-records", "32",
+                "--eval-prompts", "4", "--gen-len", "48"], peers_path, gpu=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "target on cuda: Gated DeltaNet and conv on dflash_kernels" in proc.stdout
+    proc = run(["-m", "trainer.train", "--preflight", "--target-gpus", "0,0", "--drafter-gpus", "0,0,0",
+                "--cache-dir", cache, "--out-dir", str(tmp_path / "pre")], peers_path, gpu=True)
+    assert proc.returncode == 0 and "preflight: OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
