@@ -40,13 +40,15 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 import dflash_kernels as dk  # noqa: E402
-from trainer.checkpoint import CHECKPOINT_NAME, read_checkpoint, restore, save_checkpoint  # noqa: E402
+from trainer.checkpoint import (CHECKPOINT_NAME, CheckpointError, read_checkpoint, restore,  # noqa: E402
+                                save_checkpoint)
 from trainer.common import (build_drafter, lr_lambda, resolve_device, resolve_paths,  # noqa: E402
                             step_log_line)
 from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
 from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
 from trainer.loss import expected_accept_length  # noqa: E402
-from trainer.rundir import DRAFTER_DIR, check_resume_config, open_metrics, prepare_run_dir  # noqa: E402
+from trainer.rundir import (DRAFTER_DIR, ConfigChanged, RunDirError, check_resume_config,  # noqa: E402
+                            open_metrics, prepare_run_dir)
 from trainer.step import attention_precompile_specs, forward_loss  # noqa: E402
 from trainer.supervise import StopRequest, fault_point, get_log, install_signal_handlers  # noqa: E402
 from trainer.target import load_target, resolve_mask_token_id  # noqa: E402
@@ -194,6 +196,8 @@ def _single_process(cfg: TrainConfig, args) -> None:
     try:
         train(cfg, resume=args.resume, log=lambda s: print(s, flush=True), stop=stop, overwrite=args.overwrite,
               allow_config_change=args.allow_config_change)
+    except (RunDirError, ConfigChanged, CheckpointError) as e:  # a refusal: its message says what to do
+        raise SystemExit(f"trainer.train: {e}") from e
     finally:
         for s, h in previous.items():  # called in-process (tests): leave the caller's handlers as they were
             signal.signal(s, h)

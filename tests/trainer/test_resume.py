@@ -74,15 +74,15 @@ def wait_for(proc, path, text, timeout=120):
     raise AssertionError(f"{text!r} not in {path} after {timeout}s")
 
 
-def sigterm_then_resume(tmp_path, target, data, steps=10, extra=(), env_extra=None):
+def sigterm_then_resume(tmp_path, target, data, steps=10, extra=(), env_extra=None, timeout=120):
     """Start the single-process loop, SIGTERM it after step 2, resume it; returns the stopped step."""
     out = tmp_path / "run"
     args = ["--preset", "tiny", "--target", target, "--data", data, "--out-dir", str(out), "--steps", str(steps),
             *extra]
     proc = start_cli(args, fault="drafter0:slow@0", env_extra=env_extra)  # 0.5 s per step
-    wait_for(proc, out / "train.log", f"step 2/{steps}")
+    wait_for(proc, out / "train.log", f"step 2/{steps}", timeout)
     proc.send_signal(signal.SIGTERM)
-    text, _ = proc.communicate(timeout=120)
+    text, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, text[-3000:]
     log = (out / "train.log").read_text()
     assert "SIGTERM received" in log
@@ -91,7 +91,7 @@ def sigterm_then_resume(tmp_path, target, data, steps=10, extra=(), env_extra=No
     assert f"stopped by SIGTERM after step {stopped} of {steps}" in log
     assert steps_in(out / "metrics.jsonl") == list(range(1, stopped + 1))
     proc = start_cli(args + ["--resume"], env_extra=env_extra)
-    text, _ = proc.communicate(timeout=180)
+    text, _ = proc.communicate(timeout=timeout + 60)
     assert proc.returncode == 0, text[-3000:]
     assert f"resume: from step {stopped}" in text
     assert ckpt_step(out) == steps
@@ -153,8 +153,11 @@ def test_cli_refuses_a_changed_config(tmp_path, tiny_qwen3_dir, counting_data):
     from trainer.train import main
 
     main(base)
-    with pytest.raises(ConfigChanged, match="gamma: 7.0 -> 3.0"):
+    # A refusal ends the command with its message (exit status 1), no traceback.
+    with pytest.raises(SystemExit, match="gamma: 7.0 -> 3.0.*--allow-config-change"):
         main(base + ["--resume", "--gamma", "3"])
+    with pytest.raises(SystemExit, match="holds an earlier run.*--resume.*--overwrite"):
+        main(base)
     main(base + ["--resume", "--gamma", "3", "--steps", "4", "--allow-config-change"])
     assert ckpt_step(tmp_path) == 4
 
@@ -331,13 +334,14 @@ def test_gpu_sigterm_then_resume(tmp_path, tiny_qwen3_dir, counting_data):
     """``python -m trainer.train`` on the GPU (the library's kernels): SIGTERM after step 2 -> exit 0 with a
     checkpoint; ``--resume`` continues to the end with the losses of an uninterrupted run."""
     gpu = {"DFLASH_KERNELS_BACKEND": ""}
+    # Kernel compilation comes before step 1: a longer wait for step 2.
     sigterm_then_resume(tmp_path, tiny_qwen3_dir, counting_data, steps=10, extra=("--device", "cuda"),
-                        env_extra=gpu)
+                        env_extra=gpu, timeout=480)
     runs = []
     for name in ("ref", "ref2"):
         proc = start_cli(["--preset", "tiny", "--target", tiny_qwen3_dir, "--data", counting_data, "--out-dir",
                           str(tmp_path / name), "--steps", "10", "--device", "cuda"], env_extra=gpu)
-        text, _ = proc.communicate(timeout=300)
+        text, _ = proc.communicate(timeout=480)
         assert proc.returncode == 0, text[-3000:]
         runs.append(losses_in(tmp_path / name / "metrics.jsonl"))
     assert_same_trajectory(losses_in(tmp_path / "run" / "metrics.jsonl"), runs[0], runs[1])
