@@ -41,7 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peers.py sits next to this file
-from peers import FlexDrafterAttention, peer_backends, peer_importable  # noqa: E402,F401 - re-exported
+from peers import FlexDrafterAttention, peer_backends  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
