@@ -6,7 +6,7 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
 - (a) ``dflash_kernels``: the library's own kernels for the drafter's block-sparse attention and the
   target's Gated DeltaNet and short conv (``triton`` on a GPU; on a CPU the same Triton kernels
   through Triton's interpreter);
-- (b) ``peers``: the drafter's attention as ``torch.compile(flex_attention)`` with a
+- (b) ``peers`` (``benchmarks/peers.py``): the drafter's attention as ``torch.compile(flex_attention)`` with a
   ``create_block_mask`` BlockMask rebuilt every step (anchors change every step), the target's GDN
   on fla and its conv on causal-conv1d where those are importable (CUDA only);
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch.
@@ -39,6 +39,9 @@ import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peers.py sits next to this file
+from peers import FlexDrafterAttention, peer_backends  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
@@ -172,90 +175,7 @@ def setup_embedded(args, dev, dtype, log):
 SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 
 
-# ------------------------------------------------------------------------------- flex attention
-class FlexDrafterAttention:
-    """The peer path for the drafter's attention: ``flex_attention`` with ``create_block_mask``.
-
-    Installed on one drafter instance: its ``masks`` method is shadowed by one that builds a flex
-    ``BlockMask`` per layer type (the DFlash mask: block i sees context keys ``kv < anchor_i``,
-    within the window on sliding layers, and its own block's keys; invalid blocks see nothing), and
-    each layer's attention forward is replaced by the same projections, norms and RoPE as
-    ``trainer.model.Attention.forward`` followed by flex instead of ``block_sparse_attention``.
-    The masks are rebuilt every step, as a trainer must (anchors are resampled every step); the
-    mask functions read the anchors from fixed buffers, so ``torch.compile`` sees the same
-    ``mask_mod`` every step and does not recompile. ``mask_s`` accumulates the build time.
-    """
-
-    def __init__(self, drafter, compiled: bool = True):
-        from torch.nn.attention.flex_attention import flex_attention
-
-        self.drafter = drafter
-        self.flex = torch.compile(flex_attention) if compiled else flex_attention
-        self.mask_s = 0.0
-        self.anchors = None
-        self.valid = None
-        self.mask_mods = {}
-        drafter.masks = self.masks
-        for layer in drafter.layers:
-            layer.self_attn.attend = self._attend_fn()
-
-    def _mask_mod(self, S: int, window):
-        bs = self.drafter.config.block_size
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            blk = q_idx // bs
-            a = self.anchors[b, blk]
-            ctx = kv_idx < a
-            if window is not None:
-                ctx = ctx & (kv_idx >= a - window)
-            own = (kv_idx >= S) & ((kv_idx - S) // bs == blk)
-            return (ctx | own) & self.valid[b, blk]
-        return mask_mod
-
-    def masks(self, anchors, context_len, valid=None):
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        cfg = self.drafter.config
-        t0 = time.perf_counter()
-        if valid is None:
-            valid = torch.ones_like(anchors, dtype=torch.bool)
-        if self.anchors is None or self.anchors.shape != anchors.shape or self.anchors.device != anchors.device:
-            self.anchors, self.valid, self.mask_mods = anchors.clone(), valid.clone(), {}
-        self.anchors.copy_(anchors)
-        self.valid.copy_(valid)
-        B, N = anchors.shape
-        Tq = N * cfg.block_size
-        out = {}
-        for t in set(cfg.layer_types):
-            window = cfg.sliding_window if t == "sliding_attention" else None
-            key = (context_len, window)
-            if key not in self.mask_mods:
-                self.mask_mods[key] = self._mask_mod(context_len, window)
-            out[t] = create_block_mask(self.mask_mods[key], B, None, Tq, context_len + Tq, device=anchors.device)
-        if anchors.device.type == "cuda":
-            torch.cuda.synchronize(anchors.device)
-        self.mask_s += time.perf_counter() - t0
-        return out
-
-    def _attend_fn(self):
-        flex = self.flex
-
-        def attend(q, k, v, mask):
-            # flex takes [B, H, T, D]; the library's layout is [B, T, H, D].
-            o = flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=True)
-            return o.transpose(1, 2)
-        return attend
-
-
 # ------------------------------------------------------------------------------------- groups
-def _peer_importable(module: str) -> bool:
-    try:
-        __import__(module)
-        return True
-    except Exception:  # noqa: BLE001 - a broken peer install is "not available", with the reason printed
-        return False
-
-
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
@@ -267,14 +187,7 @@ def group_plan(group: str, dev) -> dict:
     if cpu:
         return {"label": "(b) peers", "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
                 "flex is measured on the GPU)"}
-    back = {"attention": "auto"}  # unused: flex replaces the drafter's attention call
-    missing = []
-    back["gdn"] = "fla" if _peer_importable("fla.ops.gated_delta_rule") else "auto"
-    back["conv1d"] = "causal_conv1d" if _peer_importable("causal_conv1d") else "auto"
-    if back["gdn"] == "auto":
-        missing.append("fla not importable: the target's GDN stays on dflash_kernels")
-    if back["conv1d"] == "auto":
-        missing.append("causal-conv1d not importable: the target's conv stays on dflash_kernels")
+    back, missing = peer_backends()
     return {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing)}
 
 
@@ -351,7 +264,8 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     import dflash_kernels as dk
     from trainer.data import batch_at
     from trainer.target import resolve_mask_token_id
-    from trainer.train import build_drafter, forward_loss, lr_lambda
+    from trainer.common import build_drafter, lr_lambda
+    from trainer.step import forward_loss
 
     cfg, target = setup.cfg, setup.target
     plan = group_plan(group, dev)

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DataStats", "Dataset", "load_jsonl", "render_chat", "sample_anchors", "batch_at", "steps_per_epoch",
-           "pack_sequences", "packed_target_features", "packed_drafter_masks"]
+__all__ = ["DataStats", "Dataset", "BadRecord", "load_jsonl", "render_chat", "record_messages", "sample_anchors",
+           "batch_at", "steps_per_epoch", "seeded_generator", "pack_sequences", "packed_target_features",
+           "packed_drafter_masks"]
 
 _ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system",
           "tool": "tool"}
@@ -55,7 +56,9 @@ class BadRecord(Exception):
         self.reason = reason
 
 
-def _messages(rec, require_assistant: bool = True) -> list[dict]:
+def record_messages(rec, require_assistant: bool = True) -> list[dict]:
+    """A chat record's turns as ``[{"role", "content"}]`` (``messages`` or ShareGPT ``conversations``);
+    :class:`BadRecord` if malformed."""
     if "messages" in rec:
         raw, rk, ck = rec["messages"], "role", "content"
     elif "conversations" in rec:
@@ -135,7 +138,7 @@ def record_to_sequence(rec, tokenizer, vocab_size, max_len, block_size):
     else:
         if tokenizer is None:
             raise BadRecord("chat_without_tokenizer")
-        ids, lm = render_chat(_messages(rec), tokenizer)
+        ids, lm = render_chat(record_messages(rec), tokenizer)
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in ids):
             raise BadRecord("token_out_of_range")
     truncated = len(ids) > max_len
@@ -230,7 +233,8 @@ def pack_sequences(seqs, max_len: int) -> list:
     return rows
 
 
-def _generator(*key: int) -> torch.Generator:
+def seeded_generator(*key: int) -> torch.Generator:
+    """A CPU generator seeded from a tuple of ints (seed, epoch, row, ...): the same key, the same draws."""
     seed = 0
     for k in key:
         seed = (seed * 1_000_003 + int(k)) % (2 ** 63 - 1)
@@ -270,7 +274,7 @@ def batch_at(ds: Dataset, step: int, batch_size: int, max_len: int, num_anchors:
     """
     spe = steps_per_epoch(len(ds), batch_size)
     epoch, i = divmod(step, spe)
-    order = torch.randperm(len(ds), generator=_generator(seed, epoch))
+    order = torch.randperm(len(ds), generator=seeded_generator(seed, epoch))
     idx = order[i * batch_size:(i + 1) * batch_size].tolist()
     if len(idx) < batch_size:  # fewer sequences than one batch: repeat them
         idx = (idx * batch_size)[:batch_size] if idx else [0] * batch_size
@@ -289,7 +293,7 @@ def batch_at(ds: Dataset, step: int, batch_size: int, max_len: int, num_anchors:
         doc = ds.doc_ids[r] if packed else None
         if packed:
             doc_ids[b, :L] = doc
-        a = sample_anchors(lm, N, block_size, _generator(seed, epoch, r, 1), doc)
+        a = sample_anchors(lm, N, block_size, seeded_generator(seed, epoch, r, 1), doc)
         anchors[b, :a.numel()], valid[b, :a.numel()] = a, True
     out = {"input_ids": input_ids, "loss_mask": loss_mask, "lengths": lengths, "anchors": anchors,
            "valid": valid, "epoch": epoch}

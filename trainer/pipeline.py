@@ -39,22 +39,24 @@ import re
 import threading
 import time
 import traceback
+from dataclasses import dataclass, field
 
 import torch
 
 import dflash_kernels as dk
-from trainer.checkpoint import CHECKPOINT_NAME, save_checkpoint, set_rng_state
+from trainer.checkpoint import CHECKPOINT_NAME, read_checkpoint, restore, save_checkpoint
+from trainer.common import build_drafter, lr_lambda, resolve_paths, step_log_line
 from trainer.config import TrainConfig, dump
 from trainer.data import batch_at, load_jsonl, steps_per_epoch
 from trainer.distributed import Dist, init_distributed
 from trainer.loss import expected_accept_length
+from trainer.rundir import DRAFTER_DIR, check_resume_config, open_metrics, prepare_run_dir
 from trainer.supervise import (EXIT_FAILED, EXIT_OK, RunLog, StopRequest, Stopped, Supervisor, Watchdog, WorkerFailed,
                                fault_point, get_log, hard_exit, install_signal_handlers)
 from trainer.target import Target, load_target, resolve_mask_token_id
 from trainer.step import attention_precompile_specs, drafter_loss, target_features
-from trainer.train import _fmt_eta, _peak_mem_gib, build_drafter, lr_lambda, resolve_paths
 
-__all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_digest", "cli"]
+__all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_digest", "cli", "PipelineState"]
 
 _POLL_S = 0.1  # how often a blocked worker looks at the stop flag
 _STATS = 5  # loss, hits, counted, tokens, stop; then acc_by_pos[block_size]
@@ -85,7 +87,7 @@ def parse_devices(spec: str, name: str = "devices") -> list:
     return out
 
 
-def _local_part(spec: str, name: str) -> str:
+def local_part(spec: str, name: str) -> str:
     """``"0-2;4-6"``: one device list per process of this node, picked by torchrun's ``LOCAL_RANK``
     (several processes on one host, e.g. to exercise NCCL on one 8-GPU machine)."""
     if ";" not in spec:
@@ -197,19 +199,57 @@ def _sync(dev):
         torch.cuda.current_stream(dev).synchronize()
 
 
-class _Run:
-    """Everything set up before the workers start (see :func:`run_pipeline`)."""
+@dataclass
+class PipelineState:
+    """A pipeline run's state: what :func:`_setup` built before the workers start, and how far they got."""
+
+    cfg: TrainConfig
+    log: RunLog
+    tdevs: list = field(default_factory=list)  # one device per target worker (may repeat)
+    ddevs: list = field(default_factory=list)  # one device per drafter replica (may repeat)
+    kind: str = "cpu"  # "cuda" or "cpu": every worker is of one kind
+    dtype: torch.dtype = torch.float32  # compute dtype
+    dist: Dist = None  # the process group (a single process: Dist with enabled False)
+    mask_id: int = 0  # the drafter's mask token
+    pad_id: int = 0
+    base: Target = None  # the target as loaded (its sizes and layer ids)
+    targets: dict = field(default_factory=dict)  # target device -> Target (workers on one device share it)
+    heads: dict = field(default_factory=dict)  # drafter device -> Heads (the target's embedding and LM head)
+    ds: object = None  # trainer.data.Dataset
+    D: int = 0  # drafter replicas in this process
+    T: int = 0  # target workers in this process
+    world: int = 1  # micro-batches per step over all processes (D * processes)
+    total: int = 0  # the run's steps
+    params_n: int = 0  # drafter parameters (the flat gradient buffer's length before the stats)
+    replicas: list = field(default_factory=list)  # the drafter replicas, one per ddevs entry
+    opts: list = field(default_factory=list)  # their AdamW optimizers
+    scheds: list = field(default_factory=list)  # their LR schedulers
+    flats: list = field(default_factory=list)  # their flat gradient + stats buffers
+    ckpt_path: str = ""  # OUT_DIR/checkpoint.pt
+    resume_from: str = None  # the checkpoint resumed from, or None for a new run
+    start: int = 0  # the first step this run trains (the checkpoint's step on resume)
+    step: int = 0  # steps completed so far (drafter replica 0 advances it)
+    stop_after: int = None  # leave after this step, with a checkpoint (tests)
+    record: list = None  # per micro-batch records (tests), see run_pipeline
+    history: list = field(default_factory=list)  # metrics.jsonl records (main rank)
+    metrics: object = None  # metrics.jsonl open for appending (main rank)
+    reduce_stream: object = None  # the gradient reduction's CUDA stream
 
 
-def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None):
-    R = _Run()
-    R.cfg, R.log = cfg, log
+def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overwrite: bool = False,
+           allow_config_change: bool = False, preflight: bool = False) -> PipelineState:
+    """Devices, process group, run folder, target copies, data, drafter replicas, kernels.
+
+    ``preflight``: leave the run folder as it is (no checkpoint check, nothing moved or deleted).
+    """
+    R = PipelineState(cfg=cfg, log=log)
+    saved = None
     with log.stage("config"):
         cfg = R.cfg = resolve_paths(cfg, log=log)
         tspec = cfg.target_gpus or cfg.drafter_gpus or ("0" if torch.cuda.is_available() else "cpu")
         dspec = cfg.drafter_gpus or tspec
         per_rank = ";" in tspec or ";" in dspec
-        tspec, dspec = _local_part(tspec, "target_gpus"), _local_part(dspec, "drafter_gpus")
+        tspec, dspec = local_part(tspec, "target_gpus"), local_part(dspec, "drafter_gpus")
         R.tdevs, R.ddevs = parse_devices(tspec, "target_gpus"), parse_devices(dspec, "drafter_gpus")
         if cfg.queue_depth < 1:
             raise ValueError(f"queue_depth: must be >= 1, got {cfg.queue_depth}")
@@ -239,6 +279,14 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None):
         R.dist = dist or init_distributed(R.ddevs[0], timeout_s=max(cfg.watchdog_s, cfg.watchdog_setup_s, 60.0),
                                           log=log, per_rank_devices=per_rank)
         R.dist.check_same("config", dump(cfg))
+    if not preflight:
+        with log.stage("run folder"):
+            R.resume_from = prepare_run_dir(cfg.out_dir, resume=resume, overwrite=overwrite, log=log,
+                                            modify=R.dist.is_main)
+            if R.resume_from is not None:
+                saved = read_checkpoint(R.resume_from)
+                check_resume_config(saved["config"], cfg.to_dict(), allow_change=allow_config_change,
+                                    path=R.resume_from, log=log)
     with log.stage("model load"):
         base = load_target(cfg.target, cfg.target_layer_ids, cfg.num_target_layers, device="cpu", dtype=R.dtype)
         tok = base.tokenizer
@@ -296,23 +344,15 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None):
             R.flats.append(flat)
         R.ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
         R.start = 0
-        if resume:
-            if not os.path.exists(R.ckpt_path):
-                raise FileNotFoundError(f"--resume: no checkpoint at {R.ckpt_path}")
-            ck = torch.load(R.ckpt_path, map_location="cpu", weights_only=False)
-            for m, opt, sch in zip(R.replicas, R.opts, R.scheds):
-                m.load_state_dict(ck["model"])
-                # A private copy each: load_state_dict keeps tensors already on the right device, and
-                # replicas sharing AdamW moments would update them twice per step.
-                opt.load_state_dict(copy.deepcopy(ck["optimizer"]))
-                sch.load_state_dict(ck["scheduler"])
-            set_rng_state(ck["rng"])
-            R.start = ck["step"]
-            was = ck.get("extra", {}).get("micro_batches_per_step")
+        if saved is not None:  # every replica gets the saved states (each its own copy of AdamW's)
+            R.start = restore(saved, model=R.replicas, optimizer=R.opts, scheduler=R.scheds, path=R.resume_from)
+            was = saved.get("extra", {}).get("micro_batches_per_step")
+            saved = None
             if was is not None and was != R.world:
                 log(f"resume: WARNING: the checkpoint was written with {was} micro-batches per step, this run has "
                     f"{R.world}; the data order differs from an uninterrupted run")
-            log(f"resume: from step {R.start} of {R.ckpt_path}")
+            log(f"resume: from step {R.start} of {R.resume_from}")
+        R.step = R.start
         if R.dist.enabled:  # every process starts from rank 0's weights, whatever its RNG did
             buf = torch.cat([p.detach().reshape(-1) for p in R.replicas[0].parameters()]).to(R.dist.device)
             R.dist.broadcast_(buf)
@@ -325,7 +365,7 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None):
     return R
 
 
-def _precompile(R: _Run):
+def _precompile(R: PipelineState):
     cfg, log = R.cfg, R.log
     specs = attention_precompile_specs(cfg, R.replicas[0].config, R.dtype)
     for d in dict.fromkeys(R.ddevs):
@@ -357,7 +397,7 @@ def _precompile(R: _Run):
         log.progress(f"warm-up drafter {d}")
 
 
-def _target_worker(sup: Supervisor, R: _Run, t: int, queues):
+def _target_worker(sup: Supervisor, R: PipelineState, t: int, queues):
     cfg, dev = R.cfg, R.tdevs[t]
     target = R.targets[dev]
     handoff = _Handoff(dev, R.ddevs)
@@ -389,7 +429,7 @@ def _target_worker(sup: Supervisor, R: _Run, t: int, queues):
             c.__exit__(None, None, None)
 
 
-def _reduce(R: _Run, shared: _Shared, stop: StopRequest):
+def _reduce(R: PipelineState, shared: _Shared, stop: StopRequest):
     """The barrier's action (runs once per step, in one replica's thread): mean of all gradients."""
     dev = R.dist.device if R.dist.enabled else R.ddevs[0]
     ctx = [torch.cuda.device(dev), torch.cuda.stream(R.reduce_stream)] if dev.type == "cuda" else []
@@ -409,8 +449,8 @@ def _reduce(R: _Run, shared: _Shared, stop: StopRequest):
             c.__exit__(None, None, None)
 
 
-def _drafter_worker(sup: Supervisor, R: _Run, d: int, queues, barrier: threading.Barrier, shared: _Shared,
-                    run_state: dict):
+def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: threading.Barrier,
+                    shared: _Shared):
     cfg, dev, log = R.cfg, R.ddevs[d], R.log
     drafter, opt, sched, flat, heads = R.replicas[d], R.opts[d], R.scheds[d], R.flats[d], R.heads[dev]
     params = list(drafter.parameters())
@@ -458,7 +498,7 @@ def _drafter_worker(sup: Supervisor, R: _Run, d: int, queues, barrier: threading
             cur = step + 1
             if d == 0:
                 log.progress(f"step {cur}")
-                run_state["step"] = cur
+                R.step = cur
             if not main:
                 if stop_now or cur == R.stop_after:
                     break
@@ -474,12 +514,7 @@ def _drafter_worker(sup: Supervisor, R: _Run, d: int, queues, barrier: threading
             R.metrics.write(json.dumps(rec) + "\n")
             R.metrics.flush()
             if cur % cfg.log_interval == 0 or cur == R.total:
-                ms = sum(r["ms"] for r in window) / len(window)
-                tok_s = sum(r["tokens"] for r in window) / (sum(r["ms"] for r in window) / 1e3)
-                log(f"step {cur}/{R.total} | loss {sum(r['loss'] for r in window) / len(window):.4f} | "
-                    f"acc {sum(r['acc'] for r in window) / len(window):.3f} | lr {rec['lr']:.2e} | "
-                    f"{tok_s:,.0f} tok/s | {ms:.0f} ms/step | peak {_peak_mem_gib(dev):.2f} GiB | "
-                    f"eta {_fmt_eta((R.total - cur) * ms / 1e3)}")
+                log(step_log_line(window, cur, R.total, dev))
                 window = []
             if cur % cfg.save_interval == 0 or cur == R.total or stop_now or cur == R.stop_after:
                 _save(R, cur)
@@ -492,19 +527,23 @@ def _drafter_worker(sup: Supervisor, R: _Run, d: int, queues, barrier: threading
             c.__exit__(None, None, None)
 
 
-def _save(R: _Run, step: int):
+def _save(R: PipelineState, step: int):
     t0 = time.perf_counter()
     save_checkpoint(R.ckpt_path, model=R.replicas[0], optimizer=R.opts[0], scheduler=R.scheds[0], step=step,
                     config=R.cfg.to_dict(), extra={"micro_batches_per_step": R.world})
-    R.replicas[0].save_pretrained(os.path.join(R.cfg.out_dir, "drafter"))
+    R.replicas[0].save_pretrained(os.path.join(R.cfg.out_dir, DRAFTER_DIR))
     R.log(f"checkpoint: step {step} -> {R.ckpt_path} ({time.perf_counter() - t0:.1f}s)")
 
 
 def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, stop: StopRequest = None,
-                 stop_after: int = None, record: list = None, dist: Dist = None) -> list:
+                 stop_after: int = None, record: list = None, dist: Dist = None, overwrite: bool = False,
+                 allow_config_change: bool = False) -> list:
     """Train with the threaded pipeline; returns the per-step records (``metrics.jsonl``, rank 0).
 
     Args:
+        resume: continue from ``OUT_DIR/checkpoint.pt`` (its config must match, see :mod:`trainer.rundir`).
+        overwrite: start a new run in an ``OUT_DIR`` that holds an earlier one (else refused).
+        allow_config_change: resume although the config differs from the checkpoint's.
         stop: a graceful stop request (signals set it); honoured after the current step, with a checkpoint.
         stop_after: leave after that global step, with a checkpoint (tests).
         record: if a list, each replica appends ``{step, replica, rank, micro, ids_sum}`` per micro-batch.
@@ -513,7 +552,7 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
     """
     log = log or get_log()
     stop = stop if stop is not None else StopRequest()
-    R = _setup(cfg, resume, log, dist)
+    R = _setup(cfg, resume, log, dist, overwrite=overwrite, allow_config_change=allow_config_change)
     cfg = R.cfg
     # A signal during set-up: nothing trained, nothing to save. Several processes instead agree on the
     # stop at the first gradient reduction (each may have got the signal at a different point).
@@ -522,22 +561,13 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
         return []
     R.stop_after, R.record, R.history = stop_after, record, []
     R.reduce_stream = torch.cuda.Stream(R.dist.device if R.dist.enabled else R.ddevs[0]) if R.kind == "cuda" else None
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    if R.dist.is_main:
-        history = []
-        if os.path.exists(metrics_path):  # keep the lines up to the checkpoint: one trajectory
-            with open(metrics_path) as f:
-                history = [r for r in map(json.loads, f) if resume and r["step"] <= R.start]
-        R.history = list(history)
-        with open(metrics_path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in history)
-        R.metrics = open(metrics_path, "a")
+    if R.dist.is_main:  # the lines up to the checkpoint are kept: one trajectory
+        R.history, R.metrics = open_metrics(cfg.out_dir, R.start if R.resume_from is not None else None, log)
     sup = Supervisor(log, stop_grace_s=cfg.stop_grace_s)
     shared = _Shared(R.D)
     barrier = threading.Barrier(R.D, action=lambda: _reduce(R, shared, stop))
     sup.add_abort(barrier.abort)
     queues = [[queue.Queue(maxsize=cfg.queue_depth) for _ in range(R.D)] for _ in range(R.T)]
-    run_state = {"step": R.start}
     t0 = time.perf_counter()
     try:
         with dk.strict():
@@ -547,13 +577,13 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
             for t in range(R.T):
                 sup.spawn(f"target{t}", _target_worker, R, t, queues)
             for d in range(R.D):
-                sup.spawn(f"drafter{d}", _drafter_worker, R, d, queues, barrier, shared, run_state)
+                sup.spawn(f"drafter{d}", _drafter_worker, R, d, queues, barrier, shared)
             sup.wait()
     finally:
         log.phase = "setup"
         if R.dist.is_main:
             R.metrics.close()
-    step = run_state["step"]
+    step = R.step
     # Equal values in separate storage: replicas that shared parameters would compare equal trivially
     # while each step updated them once per replica.
     storages = [{(p.device, p.untyped_storage().data_ptr()) for p in m.parameters()} for m in R.replicas]
@@ -583,7 +613,7 @@ def preflight(cfg: TrainConfig, log: RunLog = None) -> bool:
     log = log or get_log()
     found = []
     try:
-        R = _setup(cfg, False, log)
+        R = _setup(cfg, False, log, preflight=True)
     except Exception as e:  # noqa: BLE001 - preflight reports, it does not crash
         log(f"preflight: FAILED during set-up: {type(e).__name__}: {e}")
         return False
@@ -603,6 +633,9 @@ def preflight(cfg: TrainConfig, log: RunLog = None) -> bool:
                  f"feature layers {b.layer_ids}, mask token {R.mask_id}, dtype {R.dtype}")
     found.append(f"data: {R.ds.stats.report(R.cfg.data)}; {R.total} steps of {R.world} x {R.cfg.batch_size} sequences")
     found.append(f"drafter: {R.params_n / 1e6:.2f}M parameters")
+    ckpt = os.path.join(R.cfg.out_dir, CHECKPOINT_NAME)
+    found.append(f"out_dir: {R.cfg.out_dir}: " + (f"holds a checkpoint: a run there needs --resume or --overwrite"
+                                                 if os.path.exists(ckpt) else "no checkpoint (a new run)"))
     found.append(f"kernels: backends {dk.backends()}; {len(dk.cache_info())} compiled")
     ok = True
     try:
@@ -626,7 +659,8 @@ def preflight(cfg: TrainConfig, log: RunLog = None) -> bool:
     return ok
 
 
-def cli(cfg: TrainConfig, resume: bool = False, preflight_only: bool = False, log_file: str = None) -> int:
+def cli(cfg: TrainConfig, resume: bool = False, preflight_only: bool = False, log_file: str = None,
+        overwrite: bool = False, allow_config_change: bool = False) -> int:
     """The supervised entry point (``python -m trainer.train --target-gpus ...``); exits the process.
 
     Exit status: 0 finished (or stopped by SIGTERM / SIGINT after writing a checkpoint, or preflight
@@ -643,7 +677,8 @@ def cli(cfg: TrainConfig, resume: bool = False, preflight_only: bool = False, lo
         if preflight_only:
             ok = preflight(cfg, log)
             hard_exit(EXIT_OK if ok else EXIT_FAILED, log)
-        run_pipeline(cfg, resume=resume, log=log, stop=stop)
+        run_pipeline(cfg, resume=resume, log=log, stop=stop, overwrite=overwrite,
+                     allow_config_change=allow_config_change)
     except WorkerFailed as e:
         hard_exit(EXIT_FAILED, log, f"failed: {e} (traceback above)")
     except BaseException as e:  # noqa: BLE001 - set-up failures end here; the log must say why

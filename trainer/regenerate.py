@@ -32,7 +32,7 @@ from collections import Counter
 
 import torch
 
-from trainer.data import BadRecord, _messages
+from trainer.data import BadRecord, record_messages
 
 __all__ = ["regenerate", "stop_token_ids", "resume_point", "main"]
 
@@ -97,7 +97,7 @@ class _Job:
             self.turns = [None]
         else:
             self.kind = "chat"
-            self.messages = _messages(rec, require_assistant=False)
+            self.messages = record_messages(rec, require_assistant=False)
             self.turns = [i for i, m in enumerate(self.messages) if m["role"] == "assistant"]
             if self.messages[-1]["role"] != "assistant":
                 self.turns.append(len(self.messages))

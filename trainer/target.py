@@ -4,13 +4,19 @@ Qwen3 (dense) and Qwen3.5 / Qwen3-Next (Gated DeltaNet hybrids) are the first-cl
 anything ``AutoModelForCausalLM`` loads with ``output_hidden_states`` works.
 """
 
+import inspect
 import os
+import sys
 
 import torch
 
 from trainer.config import default_target_layer_ids
 
-__all__ = ["Target", "load_target"]
+__all__ = ["Target", "load_target", "resolve_mask_token_id", "use_torch_path", "TorchPath"]
+
+# The module-level functions a Qwen3.5 / Qwen3-Next linear-attention layer calls by name.
+HYBRID_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+                    "torch_recurrent_gated_delta_rule")
 
 
 class Target:
@@ -115,3 +121,48 @@ def resolve_mask_token_id(tokenizer, vocab_size: int, configured=None) -> int:
     if not 0 <= mid < vocab_size:
         raise ValueError(f"mask_token_id: {mid} outside the vocabulary [0, {vocab_size - 1}]")
     return mid
+
+
+class TorchPath:
+    """The modeling-module globals :func:`use_torch_path` replaced; ``undo()`` puts them back."""
+
+    def __init__(self, replaced):
+        self.replaced = list(replaced)  # (module, name, the function that was there)
+
+    def undo(self) -> None:
+        for module, name, fn in self.replaced:
+            setattr(module, name, fn)
+        self.replaced = []
+
+
+def use_torch_path(model):
+    """Make a hybrid model's short conv and Gated DeltaNet run transformers' own torch code.
+
+    transformers binds those calls at import time to causal-conv1d's / fla's functions when the
+    packages are installed, and those take CUDA tensors only ("Expected x.is_cuda() to be true"), so
+    a CPU forward of a Qwen3.5 dies on a machine that has them. The modeling module keeps its torch
+    function under the wrapper (``__wrapped__``); this puts it back as the module global.
+
+    Returns a :class:`TorchPath` (``undo()`` restores the previous globals), or None when the torch
+    functions cannot be found this way (another transformers layout, or a model already routed
+    elsewhere): route the model with ``dflash_kernels.integrations.transformers.use_dflash_kernels``
+    then. A model without such layers gives an empty :class:`TorchPath`.
+    """
+    replaced = []
+    for name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for fn_name in HYBRID_FUNCTIONS:
+            current = getattr(module, fn_name, None)
+            if current is None:
+                continue
+            torch_fn = inspect.unwrap(current)
+            if getattr(torch_fn, "__module__", None) != name:  # not the modeling module's own code
+                for m, n, fn in replaced:
+                    setattr(m, n, fn)
+                return None
+            if torch_fn is not current:
+                replaced.append((module, fn_name, current))
+                setattr(module, fn_name, torch_fn)
+    return TorchPath(replaced)

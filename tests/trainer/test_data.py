@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from trainer.data import _generator, batch_at, load_jsonl, render_chat, sample_anchors
+from trainer.data import batch_at, load_jsonl, render_chat, sample_anchors, seeded_generator
 
 
 def test_chat_loss_mask_covers_assistant_turns(tiny_tokenizer):
@@ -51,10 +51,10 @@ def test_anchor_sampling():
     L, bs, N = 50, 8, 6
     lm = torch.zeros(L, dtype=torch.bool)
     lm[10:48] = True
-    a = sample_anchors(lm, N, bs, _generator(0, 0, 3))
+    a = sample_anchors(lm, N, bs, seeded_generator(0, 0, 3))
     assert a.numel() == N and torch.equal(a, a.unique()) and lm[a].all() and (a <= L - bs).all()
     # capped by the candidates (positions 10..42): all of them, no repeats
-    a = sample_anchors(lm, 100, bs, _generator(0))
+    a = sample_anchors(lm, 100, bs, seeded_generator(0))
     assert torch.equal(a, torch.arange(10, L - bs + 1))
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from trainer.data import (_generator, batch_at, load_jsonl, pack_sequences, packed_drafter_masks,
-                          packed_target_features, sample_anchors)
+from trainer.data import (batch_at, load_jsonl, pack_sequences, packed_drafter_masks, packed_target_features,
+                          sample_anchors, seeded_generator)
 from trainer.loss import block_inputs, block_labels, dflash_loss
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.target import load_target
@@ -69,7 +69,7 @@ def test_no_anchor_or_label_crosses_a_document(tmp_path):
 def test_sample_anchors_respects_documents():
     lm = torch.ones(20, dtype=torch.bool)
     doc = torch.tensor([0] * 7 + [1] * 13)
-    a = sample_anchors(lm, 100, BS, _generator(0), doc)
+    a = sample_anchors(lm, 100, BS, seeded_generator(0), doc)
     assert a.tolist() == [0, 1, 2, 3] + list(range(7, 17))
 
 

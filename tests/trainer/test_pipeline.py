@@ -127,7 +127,7 @@ def test_stop_request_ends_at_a_step_with_a_checkpoint(tmp_path, tiny_qwen3_dir,
     assert [r["step"] for r in hist] == [1, 2, 3]  # step index 2 is the third step: it completes
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 3
     # A stop asked for during set-up ends the run before any step, without touching the checkpoint.
-    assert run_pipeline(cfg, log=quiet_log(), stop=stop) == []
+    assert run_pipeline(cfg, resume=True, log=quiet_log(), stop=stop) == []
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["step"] == 3
 
 
@@ -145,11 +145,11 @@ def test_packed_rows(tmp_path, tiny_qwen3_dir, counting_data):
 
 
 def test_per_process_device_lists(monkeypatch):
-    from trainer.pipeline import _local_part
+    from trainer.pipeline import local_part
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert _local_part("0-2;4-6", "target_gpus") == "4-6"
-    assert _local_part("0-4", "target_gpus") == "0-4"
+    assert local_part("0-2;4-6", "target_gpus") == "4-6"
+    assert local_part("0-4", "target_gpus") == "0-4"
     with pytest.raises(ValueError, match="drafter_gpus"):
-        _local_part("3;5;7", "drafter_gpus")
+        local_part("3;5;7", "drafter_gpus")

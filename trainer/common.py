@@ -1,0 +1,90 @@
+"""What the single-process loop (train.py) and the threaded pipeline (pipeline.py) both use: the run's
+paths and devices, the drafter built from the config, the learning-rate schedule and the step log line.
+"""
+
+import dataclasses
+import math
+import resource
+
+import torch
+
+from trainer.config import TrainConfig
+from trainer.model import DFlashDrafter, DrafterConfig
+from trainer.target import Target
+
+__all__ = ["resolve_paths", "resolve_device", "build_drafter", "lr_lambda", "peak_mem_gib", "fmt_eta",
+           "step_log_line"]
+
+
+def resolve_paths(cfg: TrainConfig, log=print) -> TrainConfig:
+    """Fill the embedded default's target / data / prompts where the config leaves them empty.
+
+    The default is built first when missing: on the config's device when one is named, else on a GPU
+    when there is one (see :func:`trainer.build_default.ensure`).
+    """
+    if cfg.target and cfg.data:
+        return cfg
+    from trainer.build_default import ensure
+
+    paths = ensure(cfg.cache_dir, device=None if cfg.device == "auto" else cfg.device, log=log)
+    return dataclasses.replace(cfg, target=cfg.target or paths["target"], data=cfg.data or paths["train"],
+                               eval_prompts=cfg.eval_prompts or paths["eval_prompts"])
+
+
+def resolve_device(cfg: TrainConfig):
+    """The single-process loop's ``(device, compute dtype)``: ``auto`` is cuda when available, bf16 there."""
+    dev = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if cfg.device == "auto" else cfg.device))
+    if cfg.dtype == "auto":
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, cfg.dtype)
+    return dev, dtype
+
+
+def build_drafter(cfg: TrainConfig, target: Target, mask_token_id: int) -> DFlashDrafter:
+    """A fresh drafter for ``target``, initialised from ``cfg.seed`` (every replica and process alike)."""
+    n_sw = min(cfg.num_sliding_layers, cfg.num_layers)
+    dcfg = DrafterConfig(
+        hidden_size=target.hidden_size, intermediate_size=cfg.intermediate_size or target.intermediate_size,
+        vocab_size=target.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rope_theta=cfg.rope_theta,
+        rms_norm_eps=cfg.rms_norm_eps, block_size=cfg.block_size, mask_token_id=mask_token_id,
+        target_layer_ids=list(target.layer_ids), sliding_window=cfg.sliding_window,
+        layer_types=["sliding_attention"] * n_sw + ["full_attention"] * (cfg.num_layers - n_sw))
+    torch.manual_seed(cfg.seed)
+    return DFlashDrafter(dcfg)
+
+
+def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
+    """Linear warm-up over ``warmup_ratio * total`` steps, then cosine from 1 to ``min_ratio``."""
+    warm = max(int(round(warmup_ratio * total)), 1)
+
+    def f(s):
+        if s < warm:
+            return (s + 1) / warm
+        p = min((s - warm) / max(total - warm, 1), 1.0)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * p))
+    return f
+
+
+def peak_mem_gib(dev) -> float:
+    """Peak memory so far: the device's allocator on a GPU, the process's max RSS on the CPU."""
+    if dev.type == "cuda":
+        return torch.cuda.max_memory_allocated(dev) / 2 ** 30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # ru_maxrss is KiB on Linux
+
+
+def fmt_eta(sec: float) -> str:
+    sec = int(max(sec, 0))
+    return f"{sec // 3600}:{sec % 3600 // 60:02d}:{sec % 60:02d}"
+
+
+def step_log_line(window: list, step: int, total: int, dev) -> str:
+    """The interval's log line from its per-step records (``metrics.jsonl`` rows)."""
+    ms = sum(r["ms"] for r in window) / len(window)
+    tok_s = sum(r["tokens"] for r in window) / (sum(r["ms"] for r in window) / 1e3)
+    return (f"step {step}/{total} | loss {sum(r['loss'] for r in window) / len(window):.4f} | "
+            f"acc {sum(r['acc'] for r in window) / len(window):.3f} | lr {window[-1]['lr']:.2e} | "
+            f"{tok_s:,.0f} tok/s | {ms:.0f} ms/step | peak {peak_mem_gib(dev):.2f} GiB | "
+            f"eta {fmt_eta((total - step) * ms / 1e3)}")
