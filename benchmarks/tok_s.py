@@ -3,18 +3,25 @@
 The same DFlash training step as ``trainer.train`` (batch -> frozen target features -> drafter ->
 weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends in one run:
 
-- (a) ``dflash_kernels``: the library's own kernels for the drafter's block-sparse attention and the
-  target's Gated DeltaNet and short conv (``triton`` on a GPU; on a CPU the same Triton kernels
-  through Triton's interpreter);
+- (a) ``dflash_kernels``: everything the library offers: its kernels for the drafter's block-sparse
+  attention, the target's Gated DeltaNet and short conv, the fused LM head + cross-entropy
+  (``linear_cross_entropy``) as the loss, and torch's fused AdamW (``triton`` on a GPU; on a CPU the
+  same Triton kernels through Triton's interpreter);
 - (b) ``peers`` (``benchmarks/peers.py``): the drafter's attention as ``torch.compile(flex_attention)`` with a
   ``create_block_mask`` BlockMask rebuilt every step (anchors change every step), the target's GDN
-  on fla and its conv on causal-conv1d where those are importable (CUDA only);
+  on fla and its conv on causal-conv1d where those are importable (CUDA only); the loss over the
+  whole logits (``F.linear`` + fp32 ``F.cross_entropy``) and torch's default (foreach) AdamW;
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch.
 
 Each row reports tokens/s (target tokens of the batch per second of training step, the trainer's own
-definition), ms/step, peak device memory, the first (compiling) step's seconds, the per-step mask
+definition), ms/step, the model FLOPs per step and the MFU they give against the H200's dense bf16
+peak of 989 TFLOP/s (``trainer/flops.py`` has the analytic count: target forward, drafter forward and
+backward, the frozen LM head's forward and input gradient, attention over the visible pairs of each
+step's anchors), peak device memory, the first (compiling) step's seconds, the per-step mask
 build time, the first step's loss (every row starts from the same drafter and batch, so the losses
 agree when the backends compute the same thing) and ``a / this``: (a)'s tokens/s over the row's.
+``--profile N`` adds each group's device time per category (gemm, attention, gdn, conv, loss,
+optimizer, copies/casts, norm/rope/activation, other; JSON field ``profile_ms``).
 
 Presets:
 - ``embedded``: the embedded default (``python -m trainer.build_default``; built first when
@@ -45,7 +52,7 @@ from peers import FlexDrafterAttention, peer_backends  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
-OPS = ("attention", "gdn", "conv1d")
+OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
 GROUPS = ("a", "b", "c")
 
 
@@ -181,14 +188,17 @@ def group_plan(group: str, dev) -> dict:
     cpu = dev.type != "cuda"
     if group == "a":
         name = "interpret" if cpu else "auto"
-        return {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False}
+        return {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
+                "loss": "fused", "adamw": "fused"}
     if group == "c":
-        return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False}
+        return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
+                "loss": "fused", "adamw": "foreach"}
     if cpu:
         return {"label": "(b) peers", "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
                 "flex is measured on the GPU)"}
     back, missing = peer_backends()
-    return {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing)}
+    return {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing),
+            "loss": "logits", "adamw": "foreach"}
 
 
 def _describe(plan, dev) -> str:
@@ -218,11 +228,13 @@ def _sync(dev):
 CATEGORIES = [("gdn", ("gdn", "chunk_gated", "chunk_fwd", "chunk_bwd", "recompute_w_u", "solve_tril",
                        "chunk_scaled_dot", "l2norm", "fused_recurrent")),
               ("conv", ("conv1d", "causal_conv", "_conv_", "convparams")),
-              ("loss", ("softmax", "nll_loss", "cross_entropy")),
-              ("attention", ("attn", "flex", "flash", "sdpa", "triton_tem_fused", "block_mask")),
+              ("loss", ("softmax", "nll_loss", "cross_entropy", "linear_ce", "logsumexp")),
+              ("attention", ("attention", "attn", "flex", "flash", "sdpa", "triton_tem_fused", "block_mask")),
+              ("optimizer", ("adam", "multi_tensor_apply", "foreach", "lpnorm", "clip")),
               ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul", "_mm_")),
-              ("elementwise", ("elementwise", "vectorized", "reduce", "triton_poi", "triton_red", "triton_per",
-                               "copy", "fill", "index", "cat", "embedding", "adam", "foreach"))]
+              ("copies/casts", ("copy", "cat", "index", "gather", "scatter", "fill", "embedding", "where")),
+              ("norm/rope/activation", ("elementwise", "vectorized", "reduce", "triton_poi", "triton_red",
+                                        "triton_per", "silu", "rsqrt", "norm"))]
 
 
 def category(name: str) -> str:
@@ -233,13 +245,14 @@ def category(name: str) -> str:
     return "other"
 
 
-def profile_steps(step, n: int, dev, label: str, log) -> None:
-    """Run ``step`` n times under torch.profiler; log device ms per step by category and the top kernels."""
+def profile_steps(step, n: int, dev, label: str, log) -> dict:
+    """Run ``step`` n times under torch.profiler; log device ms per step by category and the top kernels.
+    Returns ``{category: device ms per step}`` (empty off the GPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     if dev.type != "cuda":
         log(f"    profile {label}: skipped (the device-time breakdown needs a GPU)")
-        return
+        return {}
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             step()
@@ -255,7 +268,8 @@ def profile_steps(step, n: int, dev, label: str, log) -> None:
     log(f"    profile {label}: {total:.1f} device ms per step; " +
         ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda x: -x[1])))
     for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:15]:
-        log(f"      {ms:8.2f} ms  {category(name):11s} {name[:110]}")
+        log(f"      {ms:8.2f} ms  {category(name):20s} {name[:110]}")
+    return cats
 
 
 def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3,
@@ -265,6 +279,7 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     from trainer.data import batch_at
     from trainer.target import resolve_mask_token_id
     from trainer.common import build_drafter, lr_lambda
+    from trainer.flops import mfu, step_flops
     from trainer.step import forward_loss
 
     cfg, target = setup.cfg, setup.target
@@ -285,11 +300,14 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
                                               else target.vocab_size - 1)
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     flex = FlexDrafterAttention(drafter) if plan["flex"] else None
+    cfg = dataclasses.replace(cfg, loss=plan["loss"])
+    fused_adamw = plan["adamw"] == "fused" and dev.type == "cuda"
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                            foreach=dev.type == "cuda")
+                            fused=fused_adamw, foreach=None if fused_adamw else dev.type == "cuda")
+    row["loss_path"], row["adamw"] = cfg.loss, "fused" if fused_adamw else "foreach"
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup + steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     drafter.train()
-    tokens, t_timed = 0, None
+    tokens, flops, t_timed = 0, 0.0, None
 
     def train_step(i):
         batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
@@ -317,16 +335,19 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
             row["first_step_s"] = time.perf_counter() - t0
         if i >= warmup:
             tokens += int(batch["lengths"].sum())
+            flops += step_flops(target.model, drafter, batch)["total"]
     _sync(dev)
     elapsed = time.perf_counter() - t_timed
     row.update(steps=steps, tokens_per_step=tokens // max(steps, 1), tok_s=tokens / elapsed,
-               ms_step=elapsed / steps * 1e3)
+               ms_step=elapsed / steps * 1e3, model_TFLOP_step=flops / steps / 1e12, mfu=mfu(flops, elapsed))
     row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")
     row["mask_ms"] = flex.mask_s / steps * 1e3 if flex is not None else float("nan")
     if profile > 0:
         first = warmup + steps
         it = iter(range(first, first + profile))
-        profile_steps(lambda: train_step(next(it)), profile, dev, f"{setup.name} {row['group']}", log)
+        cats = profile_steps(lambda: train_step(next(it)), profile, dev, f"{setup.name} {row['group']}", log)
+        if cats:
+            row["profile_ms"] = {c: round(ms, 3) for c, ms in sorted(cats.items(), key=lambda x: -x[1])}
     return row
 
 
@@ -368,7 +389,8 @@ def run_preset(name, args, dev, dtype, log) -> list:
 
 # -------------------------------------------------------------------------------------- output
 COLUMNS = [("preset", "preset", "{}"), ("group", "group", "{}"), ("tok_s", "tokens/s", "{:,.0f}"),
-           ("ms_step", "ms/step", "{:.1f}"), ("peak_GiB", "peak GiB", "{:.2f}"),
+           ("ms_step", "ms/step", "{:.1f}"), ("model_TFLOP_step", "TFLOP/step", "{:.2f}"),
+           ("mfu", "MFU", "{:.1%}"), ("peak_GiB", "peak GiB", "{:.2f}"),
            ("first_step_s", "1st step s", "{:.1f}"), ("mask_ms", "mask ms", "{:.1f}"),
            ("loss_step1", "loss@1", "{:.4f}"), ("a_over_this", "a / this", "{:.2f}x"), ("backends", "backends", "{}")]
 

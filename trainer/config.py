@@ -15,6 +15,9 @@ __all__ = ["TrainConfig", "PRESETS", "preset", "default_target_layer_ids", "add_
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash_trainer")
 
 
+LOSS_PATHS = ("fused", "logits", "chunked")  # TrainConfig.loss
+
+
 @dataclass
 class TrainConfig:
     # --- target and data ---
@@ -51,9 +54,11 @@ class TrainConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
     grad_clip: float = 1.0  # max global gradient norm
-    # LM head + loss in row chunks (trainer.loss.dflash_head_loss): the [rows, vocab] logits are never
-    # whole. Real preset on the H200: peak 28 instead of 45 GiB, 233.8 vs 227.1 ms per step (other runs).
-    chunked_loss: bool = False
+    # LM head + loss: "fused" = dflash_kernels.linear_cross_entropy (the logits never exist; frozen
+    # head: no weight-gradient GEMM); "logits" = the whole [rows, vocab] logits then torch's
+    # cross-entropy (the path of a trainer without the library); "chunked" = plain torch in row chunks
+    # (trainer.loss.dflash_head_loss), a reference for the fused op.
+    loss: str = "fused"
     seed: int = 0  # model init, data order and anchor sampling
     # --- runtime ---
     device: str = "auto"  # "auto" = cuda if available else cpu
@@ -70,16 +75,22 @@ class TrainConfig:
     stop_grace_s: float = 20.0  # after a worker fails, how long the others get to stop before a forced exit
     extra: dict = field(default_factory=dict)  # free-form notes saved with the config
 
+    def __post_init__(self):
+        if self.loss not in LOSS_PATHS:
+            raise ValueError(f"loss: unknown {self.loss!r}; choose one of {list(LOSS_PATHS)}")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
+        d = dict(d)
+        if "chunked_loss" in d and "loss" not in d:  # configs saved before the loss field
+            d["loss"] = "chunked" if d.pop("chunked_loss") else "logits"
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"config: unknown fields {sorted(unknown)}")
-        d = dict(d)
         if "betas" in d:
             d["betas"] = tuple(d["betas"])
         return cls(**d)

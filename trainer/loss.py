@@ -15,6 +15,9 @@ __all__ = ["position_weights", "block_inputs", "block_labels", "dflash_loss", "d
            "dflash_fused_head_loss"]
 
 
+IGNORE_INDEX = -100  # label of the rows the fused loss skips (positions not counted)
+
+
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     """fp32 ``[block_size]``: 0 at position 0 (the anchor, not predicted), ``exp(-(j-1)/gamma)`` after."""
     j = torch.arange(block_size, dtype=torch.float32)
@@ -158,19 +161,21 @@ def dflash_fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     counted row). The accuracy comes from the op's argmax: no logits anywhere. A frozen head (the
     trainer's) costs no weight-gradient GEMM.
     """
-    from dflash_kernels.ops.linear_cross_entropy import linear_cross_entropy
+    import dflash_kernels as dk
 
     B, N, bs = labels.shape
-    rows = counted.reshape(-1).nonzero().squeeze(1)
-    pos = rows % bs
-    w = position_weights(bs, gamma).to(hidden.device)[pos]
-    lab = labels.reshape(-1)[rows]
-    h = hidden.reshape(B * N * bs, -1)[rows].to(weight.dtype)
-    loss, pred = linear_cross_entropy(h, weight, lab, bias=bias, weights=w, reduction="mean", return_argmax=True)
+    # Every draft row goes in; rows not counted are ignored through ignore_index rather than gathered
+    # out, so the step has no host synchronization (a gather by nonzero() would need the count).
+    lab = torch.where(counted, labels, IGNORE_INDEX).reshape(-1)
+    w = position_weights(bs, gamma).to(hidden.device).expand(B, N, bs).reshape(-1)
+    h = hidden.reshape(B * N * bs, -1)
+    if h.dtype != weight.dtype:
+        h = h.to(weight.dtype)
+    loss, pred = dk.linear_cross_entropy(h, weight, lab, bias=bias, weights=w, ignore_index=IGNORE_INDEX,
+                                         reduction="mean", return_argmax=True)
     with torch.no_grad():
-        hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
-        hit[rows] = pred == lab
-    return loss, _stats(hit.view(B, N, bs), counted)
+        hit = (pred.view(B, N, bs) == labels) & counted
+    return loss, _stats(hit, counted)
 
 
 def expected_accept_length(acc_by_pos: torch.Tensor) -> float:

@@ -336,7 +336,7 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overw
                 p.grad = flat[off:off + p.numel()].view_as(p)
                 off += p.numel()
             opt = torch.optim.AdamW(ps, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                                    foreach=d.type == "cuda")
+                                    fused=d.type == "cuda")
             R.replicas.append(m)
             R.opts.append(opt)
             R.scheds.append(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(R.total, cfg.warmup_ratio,

@@ -39,13 +39,13 @@ def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainCon
         masks = packed_drafter_masks(drafter, anchors, batch["doc_ids"].to(dev, non_blocking=True), valid)
     with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda" and dtype != torch.float32):
         hidden = drafter(emb, feats, anchors, valid, masks=masks)
-        logits = None if cfg.chunked_loss else heads.lm_head(hidden)
+        logits = heads.lm_head(hidden) if cfg.loss == "logits" else None
     if logits is not None:
         return dflash_loss(logits, labels, counted, cfg.gamma)
-    # Row chunks: the [rows, vocab] logits (248k columns for Qwen3.5) are never whole, nor their fp32
-    # copy and gradient (less memory; time about the same, see TrainConfig.chunked_loss).
     weight, bias = heads.lm_head_params()
-    return dflash_head_loss(hidden, weight, labels, counted, cfg.gamma, bias=bias)
+    # "fused": the library's fused LM head + cross-entropy; "chunked": plain torch in row chunks. Neither
+    # holds the whole [rows, vocab] logits (nor their fp32 copy and gradient).
+    return dflash_head_loss(hidden, weight, labels, counted, cfg.gamma, bias=bias, fused=cfg.loss == "fused")
 
 
 def forward_loss(batch: dict, target: Target, drafter, cfg: TrainConfig, dev, dtype):

@@ -97,7 +97,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     n_params = sum(p.numel() for p in drafter.parameters())
     total = cfg.steps or cfg.epochs * steps_per_epoch(len(ds), cfg.batch_size)
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                            foreach=dev.type == "cuda")
+                            fused=dev.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
     step = 0

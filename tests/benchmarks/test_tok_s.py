@@ -66,14 +66,17 @@ def test_flex_peer_matches_the_reference_attention():
 @pytest.mark.parametrize("name,cat", [
     ("_gdn_fwd_scan_kernel", "gdn"), ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gdn"),
     ("recompute_w_u_fwd_kernel", "gdn"), ("l2norm_fwd_kernel", "gdn"),
-    ("causal_conv1d_fwd_kernel", "conv"),
+    ("_conv1d_fwd_kernel", "conv"), ("causal_conv1d_fwd_kernel", "conv"),
     ("void dflash::(anonymous namespace)::fwd_channel_last_kernel<__nv_bfloat16, 4>(DflashConvParams, long, bool)",
      "conv"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", "loss"),
-    ("_attn_bwd_dkdv_kernel", "attention"), ("triton_tem_fused_flex_attention_backward_1", "attention"),
+    ("_attention_bwd_dkdv_kernel", "attention"), ("_attention_mask_rev_fill_kernel", "attention"),
+    ("triton_tem_fused_flex_attention_backward_1", "attention"), ("_linear_ce_rows_kernel", "loss"),
     ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", "gemm"),
-    ("Optimizer.step#AdamW.step", "elementwise"),
-    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "elementwise"),
+    ("Optimizer.step#AdamW.step", "optimizer"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "copies/casts"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "norm/rope/activation"),
     ("Memset (Device)", "other"),
 ])
 def test_profile_categories(name, cat):

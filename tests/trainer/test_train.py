@@ -4,6 +4,7 @@ checkpoints and the HF-style drafter folder are written."""
 import json
 import os
 
+import pytest
 import torch
 
 from trainer.config import preset
@@ -78,15 +79,27 @@ def test_packed_run_trains_and_logs_the_packing(tmp_path, tiny_qwen3_dir, counti
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
 
 
-def test_chunked_loss_trains_the_same_trajectory(tmp_path, tiny_qwen3_dir, counting_data):
-    """--chunked-loss (LM head + loss in row chunks) gives the same losses, accuracies and weights as the
-    default whole-logits loss, up to fp32 rounding."""
+@pytest.mark.parametrize("loss", ["fused", "chunked"])
+def test_loss_paths_train_the_same_trajectory(tmp_path, tiny_qwen3_dir, counting_data, loss):
+    """--loss fused (the library's linear_cross_entropy, the default) and --loss chunked (torch in row
+    chunks) give the same losses, accuracies and weights as the whole-logits loss, up to fp32 rounding."""
     quiet = lambda s: None  # noqa: E731
-    ref = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / "a", steps=4), log=quiet)
-    got = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / "b", steps=4, chunked_loss=True), log=quiet)
+    ref = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / "a", steps=4, loss="logits"), log=quiet)
+    got = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / "b", steps=4, loss=loss), log=quiet)
     for r, g in zip(ref, got, strict=True):
         assert abs(r["loss"] - g["loss"]) <= 1e-5 * abs(r["loss"]) and r["acc"] == g["acc"], (r, g)
     wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
     wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
     for k, v in wa.items():
         assert (wb[k] - v).abs().max() <= 1e-4 * v.abs().max().clamp_min(1e-6), k
+
+
+def test_configs_saved_with_chunked_loss_still_load():
+    from trainer.config import TrainConfig
+
+    old = preset("tiny").to_dict()
+    old.pop("loss")
+    assert TrainConfig.from_dict({**old, "chunked_loss": True}).loss == "chunked"
+    assert TrainConfig.from_dict({**old, "chunked_loss": False}).loss == "logits"
+    with pytest.raises(ValueError, match="loss"):
+        preset("tiny", loss="fast")
