@@ -32,7 +32,8 @@ Their TritonKernel wrappers and tuning candidates close the module (``ByPrecisio
 import triton
 import triton.language as tl
 
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import FP32_CONFIGS, ByPrecision, chunk_bounds, sequence_bounds
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (FP32_CONFIGS, ByPrecision, chunk_bounds, gdn_beta,
+                                                             gdn_gate, load_state, sequence_bounds, store_state)
 from dflash_kernels.runtime import Config
 
 
@@ -42,7 +43,8 @@ def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr
                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
                           HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, BV: tl.constexpr,
-                          LOOP_STAGES: tl.constexpr = None):
+                          LOOP_STAGES: tl.constexpr = None, STATE_V_FIRST: tl.constexpr = False):
+    # STATE_V_FIRST: dht and dh0 are [V, K] per head, as the states they are gradients of.
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
@@ -52,7 +54,7 @@ def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     o_kv = o_k[:, None] * V + o_v[None, :]
     if HAS_DHT:
-        b_dh = tl.load(dht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, mask=m_kv, other=0).to(tl.float32)
+        b_dh = load_state(dht_ptr + i_nh.to(tl.int64) * (K * V), o_k, o_v, m_kv, K, V, STATE_V_FIRST)
     else:
         b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     dt = q_ptr.dtype.element_ty
@@ -88,16 +90,21 @@ def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr
         b_qg = (b_q * (tl.exp(tl.where(m_t, b_G, 0.0)) * scale)[:, None]).to(dt)
         b_dh = b_dh * tl.exp(b_Glast) + tl.dot(tl.trans(b_qg), b_do) - tl.dot(tl.trans(b_w), b_dvnew.to(dt))
     if HAS_H0:
-        tl.store(dh0_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_dh, mask=m_kv)
+        store_state(dh0_ptr + i_nh.to(tl.int64) * (K * V), b_dh, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
 
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr,
-                          do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,
-                          cu_seqlens_ptr, chunk_indices_ptr, T, scale,
+                          do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                          dA_log_ptr, ddt_bias_ptr, cu_seqlens_ptr, chunk_indices_ptr, T, scale,
                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
-                          BKB: tl.constexpr):
+                          BKB: tl.constexpr, GATE: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False,
+                          BETA_MODE: tl.constexpr = 0):
+    # BETA_MODE (beta passed as logits): beta is their sigmoid wherever it is loaded, and dbeta is
+    # stored as the logits' gradient. GATE (g passed raw): dg is stored as the raw gate's gradient,
+    # and the chunk's sums of the A_log and dt_bias gradients go to dA_log[i_c, i_h] and
+    # ddt_bias[i_c, i_h] (summed over the chunks on the host: deterministic, no atomics).
     # K is processed in column blocks of KB: every K-wide product is separable over them, so only one
     # block's [BT, KB] accumulators are live at a time (K-wide ones spill registers on sm_90 builds).
     KB: tl.constexpr = BKB if BKB < BK else BK
@@ -114,6 +121,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     last = tl.minimum(i_t * BT + BT, seqlen) - 1
     b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
     b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_beta = tl.where(m_t, gdn_beta(b_beta, BETA_MODE), 0.0)
     b_Ad = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0).to(dt)
     b_eG = tl.exp(tl.where(m_t, b_G, 0.0))
     b_edec = tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))
@@ -211,7 +219,8 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
 
     # Reloaded rather than kept live through the K blocks (registers).
     b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
-    b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_braw = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_beta = tl.where(m_t, gdn_beta(b_braw, BETA_MODE), 0.0)
     strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
     b_dL = -tl.dot(tl.dot(tl.trans(b_A), b_dA), tl.trans(b_A))
@@ -239,7 +248,21 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
     b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
 
+    if BETA_MODE != 0:  # d beta / d logit = s * sigmoid * (1 - sigmoid), s = 1 or 2
+        b_sig = tl.sigmoid(b_braw)
+        b_dbeta = b_dbeta * (b_sig * (1.0 - b_sig) * BETA_MODE)
     tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
+    if GATE:
+        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay
+        b_x = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+        if HAS_DT_BIAS:
+            b_x = b_x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
+        b_decay = gdn_gate(b_x, A_log_ptr, dt_bias_ptr, i_h, False)
+        b_dA_log = tl.sum(tl.where(m_t, b_dg * b_decay, 0.0), 0)
+        b_dg = tl.where(m_t, b_dg * (-tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32))) * tl.sigmoid(b_x), 0.0)
+        tl.store(dA_log_ptr + i_c * HV + i_h, b_dA_log)
+        if HAS_DT_BIAS:
+            tl.store(ddt_bias_ptr + i_c * HV + i_h, tl.sum(b_dg, 0))
     tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
 
 

@@ -60,6 +60,45 @@ def sequence_bounds(i_n, T, cu_seqlens_ptr, chunk_offsets_ptr, BT: tl.constexpr,
 
 
 @triton.jit
+def gdn_gate(x, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS: tl.constexpr):
+    """The log decay from the raw gate (fp32): ``-exp(A_log[h]) * softplus(x + dt_bias[h])``, softplus
+    taken as the identity above 20 (fla's threshold, as torch's default)."""
+    if HAS_DT_BIAS:
+        x = x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
+    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    return -tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32)) * sp
+
+
+@triton.jit
+def gdn_beta(x, BETA_MODE: tl.constexpr):
+    """beta from what was passed (fp32): as is (0), sigmoid of logits (1), 2 * sigmoid (2, negative
+    eigenvalues allowed)."""
+    if BETA_MODE == 1:
+        x = tl.sigmoid(x)
+    elif BETA_MODE == 2:
+        x = 2.0 * tl.sigmoid(x)
+    return x
+
+
+@triton.jit
+def load_state(ptr, o_k, o_v, m_kv, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """A [BK, BV] tile (K rows, V columns) of one [K, V] state, or of one stored [V, K] (V first)."""
+    if STATE_V_FIRST:
+        return tl.load(ptr + o_v[None, :] * K + o_k[:, None], mask=m_kv, other=0).to(tl.float32)
+    else:
+        return tl.load(ptr + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0).to(tl.float32)
+
+
+@triton.jit
+def store_state(ptr, x, o_k, o_v, m_kv, K: tl.constexpr, V: tl.constexpr, STATE_V_FIRST: tl.constexpr):
+    """Store the [BK, BV] tile ``x`` into a [K, V] state, or a [V, K] one (V first)."""
+    if STATE_V_FIRST:
+        tl.store(ptr + o_v[None, :] * K + o_k[:, None], x.to(ptr.dtype.element_ty), mask=m_kv)
+    else:
+        tl.store(ptr + o_k[:, None] * V + o_v[None, :], x.to(ptr.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
 def _mm(a, b):
     # The solve's products stay in full fp32: tf32 would cost A about three digits.
     return tl.dot(a, b, input_precision="ieee")
@@ -104,10 +143,15 @@ def _l_tile(kk, beta_i, G_i, G_j, m_i, DIAG: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_ptr, chunk_indices_ptr, T,
-                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, IS_VARLEN: tl.constexpr):
+def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_ptr, A_ptr, cu_seqlens_ptr,
+                          chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, GATE: tl.constexpr = False,
+                          HAS_DT_BIAS: tl.constexpr = False, BETA_MODE: tl.constexpr = 0):
     """G (cumulative gate) and A = (I + L)^-1 of one chunk.
+
+    The first kernel to read g and beta: with GATE, g is the raw gate and its log decay
+    (``gdn_gate``) is computed here, on the way into the cumulative sum, so no pass over g precedes
+    this one; BETA_MODE applies beta's sigmoid as it is loaded (``gdn_beta``), as every later reader does.
 
     L is built as three 32x32 tiles (the two diagonal halves and the lower-left E) and written to A's
     place, which then serves as scratch: the steps below read rows and blocks of L back and overwrite
@@ -141,12 +185,15 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_pt
     # Padded rows load g = 0, so their G repeats the last valid one and every exp(G_i - G_j) <= 1.
     g_lo = tl.load(g_ptr + r_lo * HV + i_h, mask=m_lo, other=0).to(tl.float32)
     g_hi = tl.load(g_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32)
+    if GATE:
+        g_lo = tl.where(m_lo, gdn_gate(g_lo, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS), 0.0)
+        g_hi = tl.where(m_hi, gdn_gate(g_hi, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS), 0.0)
     G_lo = tl.cumsum(g_lo, 0)
     G_hi = tl.cumsum(g_hi, 0) + tl.sum(g_lo, 0)
     tl.store(gcum_ptr + r_lo * HV + i_h, G_lo, mask=m_lo)
     tl.store(gcum_ptr + r_hi * HV + i_h, G_hi, mask=m_hi)
-    beta_lo = tl.load(beta_ptr + r_lo * HV + i_h, mask=m_lo, other=0).to(tl.float32)
-    beta_hi = tl.load(beta_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32)
+    beta_lo = gdn_beta(tl.load(beta_ptr + r_lo * HV + i_h, mask=m_lo, other=0).to(tl.float32), BETA_MODE)
+    beta_hi = gdn_beta(tl.load(beta_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32), BETA_MODE)
 
     G2_lo, G2_hi = G_lo * LOG2E, G_hi * LOG2E
     L_lo = _l_tile(_kk(k_ptr, r_lo, m_lo, r_lo, m_lo, i_hk, HK, K, BK, H), beta_lo, G2_lo, G2_lo, m_lo, True)
@@ -205,7 +252,8 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, gcum_ptr, A_ptr, cu_seqlens_pt
 @triton.jit(do_not_specialize=["T"])
 def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu_seqlens_ptr, chunk_indices_ptr, T,
                        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr):
+                       BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
+                       BETA_MODE: tl.constexpr = 0):
     """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute)."""
     tl.static_assert(BK >= K)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -218,6 +266,7 @@ def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu
     m_k = o_k < K
     o_i = tl.arange(0, BT)
     b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_beta = tl.where(m_t, gdn_beta(b_beta, BETA_MODE), 0.0)
     b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0)
     b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
@@ -243,7 +292,7 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
                          HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False,
-                         LOOP_STAGES: tl.constexpr = None):
+                         LOOP_STAGES: tl.constexpr = None, STATE_V_FIRST: tl.constexpr = False):
     """The S0 -> S1 scan, sequential over the chunks of one sequence (parallel over sequences, heads
     and V blocks), with the state and U cast to the input precision before their products.
 
@@ -251,6 +300,7 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
     chunk's start state and U stay in registers (q_ptr, o_ptr used; h_ptr, vnew_ptr not).
     Not OUTPUT (the backward's recompute): each chunk's start state (h) and U (vnew) are stored.
     OUTPUT and SAVE (a training forward that keeps them for the backward): both.
+    STATE_V_FIRST: the initial and final states (h0, ht) are [V, K] per head; the per-chunk h stays [K, V].
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -262,7 +312,7 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     o_kv = o_k[:, None] * V + o_v[None, :]
     if HAS_H0:
-        b_h = tl.load(h0_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, mask=m_kv, other=0).to(tl.float32)
+        b_h = load_state(h0_ptr + i_nh.to(tl.int64) * (K * V), o_k, o_v, m_kv, K, V, STATE_V_FIRST)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     dt = k_ptr.dtype.element_ty
@@ -309,7 +359,7 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
 
         b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
         b_h = b_h * tl.exp(b_Glast) + tl.dot(tl.trans(b_kd), b_vnew)
-    tl.store(ht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_h, mask=m_kv)
+    store_state(ht_ptr + i_nh.to(tl.int64) * (K * V), b_h, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
 
 
 class ByPrecision:

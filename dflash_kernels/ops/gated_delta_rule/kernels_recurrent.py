@@ -1,21 +1,25 @@
 """Triton kernel of the token-by-token gated delta rule for decoding, and its tuning candidates.
 
 One program per (sequence, value head, V block) walks the sequence's tokens with the state in fp32
-registers: the recurrence of ``naive.py``, forward only (state in, state out).
+registers: the recurrence of ``naive.py``, forward only (state in, state out). The raw gate's decay
+(GATE), beta's sigmoid (BETA_MODE) and the V-first state layout (STATE_V_FIRST) are applied as each
+value is loaded: no pass over memory of their own.
 """
 
 import triton
 import triton.language as tl
 
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import sequence_bounds
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import gdn_beta, gdn_gate, load_state, sequence_bounds, store_state
 from dflash_kernels.runtime import Config, TritonKernel
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, cu_seqlens_ptr, T,
-                              scale, eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                              BK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
-                              L2NORM: tl.constexpr, BV: tl.constexpr):
+def _gdn_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, h0_ptr, o_ptr, ht_ptr,
+                              cu_seqlens_ptr, T, scale, eps, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                              V: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_H0: tl.constexpr,
+                              L2NORM: tl.constexpr, BV: tl.constexpr, GATE: tl.constexpr = False,
+                              HAS_DT_BIAS: tl.constexpr = False, BETA_MODE: tl.constexpr = 0,
+                              STATE_V_FIRST: tl.constexpr = False):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
     i_hk = i_h // (HV // HK)
@@ -24,10 +28,9 @@ def _gdn_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_pt
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < V
-    o_kv = o_k[:, None] * V + o_v[None, :]
     m_kv = m_k[:, None] & m_v[None, :]
     if HAS_H0:
-        b_h = tl.load(h0_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, mask=m_kv, other=0).to(tl.float32)
+        b_h = load_state(h0_ptr + i_nh.to(tl.int64) * (K * V), o_k, o_v, m_kv, K, V, STATE_V_FIRST)
     else:
         b_h = tl.zeros([BK, BV], dtype=tl.float32)
     for t in range(seqlen):
@@ -36,7 +39,9 @@ def _gdn_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_pt
         b_k = tl.load(k_ptr + row * (HK * K) + i_hk * K + o_k, mask=m_k, other=0).to(tl.float32)
         b_v = tl.load(v_ptr + row * (HV * V) + i_h * V + o_v, mask=m_v, other=0).to(tl.float32)
         b_g = tl.load(g_ptr + row * HV + i_h).to(tl.float32)
-        b_beta = tl.load(beta_ptr + row * HV + i_h).to(tl.float32)
+        if GATE:
+            b_g = gdn_gate(b_g, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS)
+        b_beta = gdn_beta(tl.load(beta_ptr + row * HV + i_h).to(tl.float32), BETA_MODE)
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q, 0) + eps)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k, 0) + eps)
@@ -45,7 +50,7 @@ def _gdn_recurrent_fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_pt
         b_h = b_h + b_k[:, None] * b_delta[None, :]
         b_o = tl.sum(b_h * b_q[:, None], 0) * scale
         tl.store(o_ptr + row * (HV * V) + i_h * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
-    tl.store(ht_ptr + i_nh.to(tl.int64) * (K * V) + o_kv, b_h, mask=m_kv)
+    store_state(ht_ptr + i_nh.to(tl.int64) * (K * V), b_h, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
 
 
 gdn_recurrent_fwd_kernel = TritonKernel(

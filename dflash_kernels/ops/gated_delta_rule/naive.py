@@ -10,12 +10,23 @@ Per value head h (served by query/key head ``h // (Hv // Hk)``), with the state 
     o_t = scale * S_t^T q_t
 
 the convention of fla's ``naive_recurrent_gated_delta_rule`` and HF transformers'
-``torch_recurrent_gated_delta_rule``.
+``torch_recurrent_gated_delta_rule``. fla's in-kernel options are applied to the inputs first, in fp32:
+the raw gate's decay (``naive_gdn_gate``), beta's sigmoid, the V-first state layout.
 """
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["naive_recurrent_gated_delta_rule", "naive_l2norm"]
+__all__ = ["naive_recurrent_gated_delta_rule", "naive_l2norm", "naive_gdn_gate"]
+
+
+def naive_gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias=None) -> torch.Tensor:
+    """The log decay ``-exp(A_log) * softplus(g + dt_bias)`` of the raw gate g [..., Hv] (fp32; A_log and
+    dt_bias hold Hv elements; softplus with torch's default threshold 20, as fla's kernels)."""
+    x = g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().reshape(-1)
+    return -A_log.float().reshape(-1).exp() * F.softplus(x)
 
 
 def naive_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -39,20 +50,32 @@ def _one_sequence(q, k, v, g, beta, scale, state):
 
 def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, use_qk_l2norm_in_kernel=False,
-                                     cu_seqlens=None):
+                                     cu_seqlens=None, *, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                                     use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False,
+                                     state_v_first=False):
     """Reference for ``chunk_gated_delta_rule`` (same arguments, same shapes).
 
     Args:
         q, k: [B, T, Hk, K]. v: [B, T, Hv, V]. g (log decay), beta: [B, T, Hv].
         initial_state: [N, Hv, K, V], N = B, or N = len(cu_seqlens) - 1 with cu_seqlens (then B = 1).
+        use_gate_in_kernel: g is the raw gate, the decay ``naive_gdn_gate(g, A_log, dt_bias)``.
+        use_beta_sigmoid_in_kernel: beta holds logits, beta = sigmoid(logits), times 2 with
+            allow_neg_eigval.
+        state_v_first: initial and final states are [N, Hv, V, K].
     Returns:
-        o [B, T, Hv, V] and final_state [N, Hv, K, V] (or None), both fp32.
+        o [B, T, Hv, V] and final_state [N, Hv, K, V] (or [N, Hv, V, K]; or None), both fp32.
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     if scale is None:
         scale = K ** -0.5
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_gate_in_kernel:
+        g = naive_gdn_gate(g, A_log, dt_bias)
+    if use_beta_sigmoid_in_kernel:
+        beta = beta.sigmoid() * (2.0 if allow_neg_eigval else 1.0)
+    if initial_state is not None and state_v_first:
+        initial_state = initial_state.transpose(-1, -2)
     if use_qk_l2norm_in_kernel:
         q, k = naive_l2norm(q), naive_l2norm(k)
     group = Hv // Hk
@@ -78,4 +101,6 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     else:
         o = torch.cat(outputs, 0)[None]
     final_state = torch.stack(finals, 0) if output_final_state else None
+    if final_state is not None and state_v_first:
+        final_state = final_state.transpose(-1, -2).contiguous()
     return o, final_state
