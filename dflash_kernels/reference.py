@@ -7,7 +7,7 @@ are further names of the attention and conv references.
 
 from dflash_kernels.ops.attention.naive import naive_block_sparse_attention, naive_dense_mask
 from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d, naive_causal_conv1d_update
-from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+from dflash_kernels.ops.gated_delta_rule.naive import naive_gdn_gate, naive_recurrent_gated_delta_rule
 from dflash_kernels.ops.linear_cross_entropy.naive import naive_linear_cross_entropy
 
 sdpa_dense = naive_block_sparse_attention
@@ -16,6 +16,6 @@ causal_conv1d_ref = naive_causal_conv1d
 causal_conv1d_update_ref = naive_causal_conv1d_update
 
 __all__ = ["causal_conv1d_ref", "causal_conv1d_update_ref", "dense_mask", "naive_block_sparse_attention",
-           "naive_causal_conv1d", "naive_causal_conv1d_update", "naive_dense_mask", "naive_linear_cross_entropy",
+           "naive_causal_conv1d", "naive_causal_conv1d_update", "naive_dense_mask", "naive_gdn_gate", "naive_linear_cross_entropy",
            "naive_recurrent_gated_delta_rule",
            "sdpa_dense"]
