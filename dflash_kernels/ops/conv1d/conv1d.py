@@ -59,8 +59,12 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu
                 (dy, dfinal, x, weight, bias, seq_idx, initial_states, silu))
 
 
-def causal_conv1d_update_fwd(x, conv_state, weight, bias, silu: bool):
-    """Decode step on the chosen implementation; see ``_triton_update``."""
+def causal_conv1d_update_fwd(x, conv_state, weight, bias, silu: bool, cache_seqlens=None, conv_state_indices=None):
+    """Decode step on the chosen implementation; see ``_triton_update``. The CUDA extension's update
+    has no circular buffer or state gather: with ``cache_seqlens`` or ``conv_state_indices`` the
+    Triton kernel runs on every backend."""
+    if cache_seqlens is not None or conv_state_indices is not None:
+        return _triton_update(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
     return _run("update", _triton_update, cuda.cuda_causal_conv1d_update, (x, conv_state, weight, bias, silu))
 
 
@@ -166,18 +170,23 @@ def _triton_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool
     return dx, dweight, dbias, (dinit if initial_states is not None else None)
 
 
-def _triton_update(x, conv_state, weight, bias, silu: bool):
-    """Launch the decode step: x ``[B, D, L]``, conv_state ``[B, D, S]`` updated in place."""
+def _triton_update(x, conv_state, weight, bias, silu: bool, cache_seqlens=None, conv_state_indices=None):
+    """Launch the decode step: x ``[B, D, L]``; conv_state ``[B, D, S]`` (or a pool ``[N, D, S]``
+    gathered by ``conv_state_indices`` ``[B]``) updated in place; ``cache_seqlens`` ``[B]`` makes it a
+    circular buffer (``naive_causal_conv1d_update`` has the semantics)."""
     B, D, L = x.shape
     S = conv_state.shape[2]
     W = weight.shape[1]
     y = alloc.empty_like(x)
     conv1d_update_kernel(lambda m: (triton.cdiv(D, m["BD"]), B),
             x, conv_state, weight, bias if bias is not None else weight, y,
-            L, D, S, x.stride(0), x.stride(1), x.stride(2),
+            cache_seqlens if cache_seqlens is not None else y,
+            conv_state_indices if conv_state_indices is not None else y,
+            L, D, S, conv_state.shape[0], x.stride(0), x.stride(1), x.stride(2),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             y.stride(0), y.stride(1), y.stride(2),
-            bucket=(bucket(B * D, 1 << 20),), W=W, HAS_BIAS=bias is not None, ACT=silu)
+            bucket=(bucket(B * D, 1 << 20),), W=W, HAS_BIAS=bias is not None, ACT=silu,
+            CIRCULAR=cache_seqlens is not None, HAS_INDEX=conv_state_indices is not None)
     return y
 
 
@@ -236,12 +245,13 @@ _fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _bac
 
 @torch.library.custom_op("dflash_kernels::causal_conv1d_update", mutates_args=("conv_state",))
 def _update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               silu: bool) -> torch.Tensor:
-    return causal_conv1d_update_fwd(x, conv_state, weight, bias, silu)
+               silu: bool, cache_seqlens: Optional[torch.Tensor],
+               conv_state_indices: Optional[torch.Tensor]) -> torch.Tensor:
+    return causal_conv1d_update_fwd(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
 
 
 @_update_op.register_fake
-def _(x, conv_state, weight, bias, silu):
+def _(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
     return torch.empty_like(x)
 
 
@@ -270,26 +280,34 @@ def _conv_peer(x, weight, bias, activation, seq_idx, initial_states, return_fina
 
 
 @_conv_update.impl("triton", "interpret", "cuda")
-def _update_kernels(x, conv_state, weight, bias, activation):
+def _update_kernels(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(-1) if squeeze else x
-    y = _update_op(x3, conv_state, weight.contiguous(), bias.contiguous() if bias is not None else None,
-                   activation is not None)
+    # Outside torch.compile the custom op's dispatch is skipped: the launcher directly (no autograd).
+    run = _update_op if torch.compiler.is_compiling() else causal_conv1d_update_fwd
+    y = run(x3, conv_state, weight if weight.is_contiguous() else weight.contiguous(),
+            bias if bias is None or bias.is_contiguous() else bias.contiguous(), activation is not None,
+            cache_seqlens, conv_state_indices)
     return y.squeeze(-1) if squeeze else y
 
 
 @_conv_update.impl("reference")
-def _update_reference(x, conv_state, weight, bias, activation):
+def _update_reference(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
     from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d_update
 
-    return naive_causal_conv1d_update(x, conv_state, weight, bias, activation)
+    return naive_causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
 @_conv_update.impl("causal_conv1d")
-def _update_peer(x, conv_state, weight, bias, activation):
+def _update_peer(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
     from causal_conv1d import causal_conv1d_update as peer_update
 
-    return peer_update(x, conv_state, weight, bias, activation)
+    kwargs = {}
+    if cache_seqlens is not None:
+        kwargs["cache_seqlens"] = cache_seqlens
+    if conv_state_indices is not None:
+        kwargs["conv_state_indices"] = conv_state_indices
+    return peer_update(x, conv_state, weight, bias, activation, **kwargs)
 
 
 def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_states=None,
@@ -314,19 +332,29 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
     return _conv(x.device, x, weight, bias, activation, seq_idx, initial_states, return_final_states)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """One decode step (or L steps) against a rolling state, a drop-in for ``causal_conv1d_update``.
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                         conv_state_indices=None):
+    """One decode step (or L steps) against a rolling state, a drop-in for causal-conv1d's
+    ``causal_conv1d_update``.
 
     Args:
-        x: ``[B, D]`` or ``[B, D, L]`` new inputs.
-        conv_state: ``[B, D, S]`` with S >= W-1: the last S inputs; updated in place (shifted by L).
+        x: ``[B, D]`` or ``[B, D, L]`` new inputs (channel-last views accepted).
+        conv_state: ``[B, D, S]`` with S >= W-1, updated in place; with ``conv_state_indices`` a pool
+            ``[N, D, S]``. Without ``cache_seqlens`` it holds the last S inputs and is shifted by L.
+            Must not overlap itself (no stride-0 / expanded views).
         weight: ``[D, W]``; bias: ``[D]`` or None; activation: None, ``"silu"`` or ``"swish"``.
+        cache_seqlens: ``[B]`` int32/int64 or None: ``conv_state`` is a circular buffer, not shifted;
+            the L new inputs are written at ``(cache_seqlens + l) % S`` and the W-1 inputs before them
+            read at ``(cache_seqlens - (W-1) + j) % S``.
+        conv_state_indices: ``[B]`` int32/int64 or None: row b uses ``conv_state[conv_state_indices[b]]``;
+            a negative index marks a padding row (output 0, no state read or written). Indices must
+            be distinct; an index >= N is treated like a negative one.
 
     Returns:
         y with x's shape and dtype.
     """
-    check_conv1d_update_inputs(x, conv_state, weight, bias, activation)
-    return _conv_update(x.device, x, conv_state, weight, bias, activation)
+    check_conv1d_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+    return _conv_update(x.device, x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
 @register_precompile(OP)
