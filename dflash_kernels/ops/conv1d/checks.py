@@ -34,6 +34,22 @@ def _check_weight(weight, bias, D):
 
 def check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states) -> bool:
     """Raise TypeError/ValueError naming the argument; returns whether the SiLU activation is on."""
+    # The common valid call in a few cheap tests (this runs on every call); anything else, or any
+    # doubt, takes the full checks below, which name the argument at fault.
+    if (seq_idx is None and initial_states is None and isinstance(x, torch.Tensor)
+            and isinstance(weight, torch.Tensor) and (activation is None or activation == "silu")):
+        xs, ws = x.shape, weight.shape
+        if (len(xs) == 3 and len(ws) == 2 and ws[0] == xs[1] and 2 <= ws[1] <= 4 and xs[2] > 0
+                and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES):
+            dev = x.device
+            if weight.device == dev and (bias is None or (
+                    isinstance(bias, torch.Tensor) and bias.shape == ws[:1] and bias.dtype in FLOAT_DTYPES
+                    and bias.device == dev)):
+                return activation is not None
+    return _check_conv1d_inputs_all(x, weight, bias, activation, seq_idx, initial_states)
+
+
+def _check_conv1d_inputs_all(x, weight, bias, activation, seq_idx, initial_states) -> bool:
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, D, T = x.shape
     _check_weight(weight, bias, D)

@@ -11,6 +11,7 @@
   the configured backend's implementation.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -20,7 +21,7 @@ from dflash_kernels.ops.conv1d import cuda
 from dflash_kernels.ops.conv1d.checks import check_conv1d_inputs, check_conv1d_update_inputs, is_channel_last
 from dflash_kernels.ops.conv1d.kernels import (BWD_CHUNK, BWD_CHUNK_MIN, conv1d_bwd_kernel, conv1d_fwd_kernel,
                                                conv1d_update_kernel)
-from dflash_kernels.runtime import Choice, Op, alloc, bucket, get_backend, register_precompile, settings
+from dflash_kernels.runtime import Choice, Op, alloc, backends, bucket, get_backend, register_precompile, settings
 from dflash_kernels.runtime.autograd import differentiable_op
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd",
@@ -36,6 +37,36 @@ _conv_update = _conv.function("causal_conv1d_update")
 # choice finds the faster per bucket, and untimed, the path without a slow layout is the safe one.
 _impl_choice = Choice("conv1d_impl", default="triton", label="conv1d CUDA-vs-Triton choice",
                       version=cuda.source_hash)
+
+
+# The host path of a call is a few microseconds of Python on top of the launch, as much as a small
+# input's kernel: the configured backend and the implementation it runs are resolved once per
+# setting and cached, keyed on everything resolution reads (the process-wide override of
+# ``set_backend``, DFLASH_KERNELS_BACKEND, the input's device type; TRITON_INTERPRET counts only when
+# set before the import, as the runtime documents), instead of parsing the environment twice per call.
+_ENV = os.environ
+_configured_memo = {}  # (override, DFLASH_KERNELS_BACKEND) -> get_backend(OP)
+_dispatch_memo = {}  # (function, device type, configured backend) -> implementation
+
+
+def _configured() -> str:
+    """``get_backend(OP)``, memoized on what it reads."""
+    key = (backends._chosen.get(OP), _ENV.get("DFLASH_KERNELS_BACKEND"))
+    name = _configured_memo.get(key)
+    if name is None:
+        name = _configured_memo[key] = get_backend(OP)
+    return name
+
+
+def _implementation(op: Op, impls: dict, device: torch.device):
+    """The implementation ``op(device, ...)`` would call, memoized per setting; a backend that cannot
+    run is resolved (and raises ``BackendUnavailable`` with the reason) on every call, never cached."""
+    key = (op.label, device.type, _configured())
+    fn = _dispatch_memo.get(key)
+    if fn is None:
+        fn = impls[op.backend(device)]
+        _dispatch_memo[key] = fn
+    return fn
 
 
 def _with_unit_stride(t: torch.Tensor, channel_last: bool) -> torch.Tensor:
@@ -72,11 +103,13 @@ def _run(kind: str, run_triton, run_cuda, args: tuple):
     """Run launcher ``kind`` (``fwd`` / ``bwd`` / ``update``) with ``args`` on the implementation that
     the conv's backend setting picks (module docstring). Forced ``cuda`` without the extension is a
     clear :class:`BackendUnavailable` from the CUDA launcher, never a silent Triton run."""
-    backend = get_backend(OP)
+    backend = _configured()
     if backend == "cuda":
         return run_cuda(*args)
+    if backend != "auto" or not cuda.available():
+        return run_triton(*args)
     x = args[2] if kind == "bwd" else args[0]
-    if backend != "auto" or not cuda.available() or x.device.type != "cuda" or settings.interpreting():
+    if x.device.type != "cuda" or settings.interpreting():
         return run_triton(*args)
     key = _impl_bucket(kind, args)
     impl = _impl_choice.get(x.device, key)
@@ -234,7 +267,12 @@ def _backward(ctx, dy, dfinal):
     x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
     if not ctx.return_final_states:
         dfinal = None
-    dx, dweight, dbias, dinit = _bwd_op(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
+    if type(dy) is torch.Tensor and type(x) is torch.Tensor:
+        # Eager: the launcher directly. A traced backward (torch.compile's fake / functional tensor
+        # subclasses) goes through the custom op, which the graph can hold.
+        dx, dweight, dbias, dinit = causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
+    else:
+        dx, dweight, dbias, dinit = _bwd_op(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
     return (dx, dweight, dbias if bias is not None else None, None,
             dinit if initial_states is not None else None, None, None)
 
@@ -257,10 +295,23 @@ def _(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
 
 @_conv.impl("triton", "interpret", "cuda")
 def _conv_kernels(x, weight, bias, activation, seq_idx, initial_states, return_final_states):
-    x = _with_unit_stride(x, is_channel_last(x))
-    y, final = _fwd_differentiable(x, weight.contiguous(), bias.contiguous() if bias is not None else None,
-                                   seq_idx.contiguous() if seq_idx is not None else None, initial_states,
-                                   activation is not None, bool(return_final_states))
+    if not x.is_contiguous():  # a dense channel-last view is kept; anything else is copied
+        x = _with_unit_stride(x, is_channel_last(x))
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if seq_idx is not None and not seq_idx.is_contiguous():
+        seq_idx = seq_idx.contiguous()
+    args = (x, weight, bias, seq_idx, initial_states, activation is not None, bool(return_final_states))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad) or
+                                    (initial_states is not None and initial_states.requires_grad)):
+        y, final = _fwd_differentiable(*args)
+    elif torch.compiler.is_compiling():
+        y, final = _fwd_op(*args)
+    else:  # nothing to differentiate: the launcher directly, without the autograd.Function's cost
+        y, final = causal_conv1d_fwd(*args)
     return (y, final) if return_final_states else y
 
 
@@ -316,11 +367,12 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
 
     Args:
         x: ``[B, D, T]``; channel-first (contiguous) or a channel-last view of a ``[B, T, D]`` tensor.
-        weight: ``[D, W]``, W in 2..4.
+        weight: ``[D, W]``, W in 2..4; may be fp32 beside a bf16 / fp16 x (gradients in its dtype).
         bias: ``[D]`` or None.
         activation: None, ``"silu"`` or ``"swish"`` (the same).
         seq_idx: ``[B, T]`` int32/int64 sequence ids of packed sequences; a time only sees earlier
             times of its own sequence. Times before 0 (the initial state) belong to the sequence of t = 0.
+            A negative id (-1) marks padding: the output there is 0 and no gradient flows to or from it.
         initial_states: ``[B, D, W-1]``, the W-1 inputs before t = 0 (zeros when None).
         return_final_states: also return the last W-1 inputs ``[B, D, W-1]``, the next call's state.
 
@@ -329,7 +381,8 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
         weight, bias and initial_states.
     """
     check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states)
-    return _conv(x.device, x, weight, bias, activation, seq_idx, initial_states, return_final_states)
+    return _implementation(_conv, _CONV_IMPLS, x.device)(x, weight, bias, activation, seq_idx, initial_states,
+                                                           return_final_states)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
@@ -354,7 +407,14 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         y with x's shape and dtype.
     """
     check_conv1d_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
-    return _conv_update(x.device, x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+    return _implementation(_conv_update, _UPDATE_IMPLS, x.device)(x, conv_state, weight, bias, activation,
+                                                                  cache_seqlens, conv_state_indices)
+
+
+_CONV_IMPLS = {"triton": _conv_kernels, "interpret": _conv_kernels, "cuda": _conv_kernels,
+               "reference": _conv_reference, "causal_conv1d": _conv_peer}
+_UPDATE_IMPLS = {"triton": _update_kernels, "interpret": _update_kernels, "cuda": _update_kernels,
+                 "reference": _update_reference, "causal_conv1d": _update_peer}
 
 
 @register_precompile(OP)
