@@ -9,8 +9,9 @@
 
 Everything is checked against the fp32 references written below (plain torch, independent of the
 library's naive.py). CPU: backends ``interpret`` (TRITON_INTERPRET=1) and ``reference`` at small odd
-sizes; ``gpu``-marked tests: ``triton``, ``cuda`` (when the extension is built) and ``reference`` at
-real sizes.
+sizes; ``gpu``-marked tests: ``triton``, ``cuda`` (when the extension is built; its update with
+``cache_seqlens`` / ``conv_state_indices`` runs the Triton kernel by design) and ``reference`` at real
+sizes.
 """
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash_kernels as dk
+from dflash_kernels.ops.conv1d import conv1d as conv_mod
 from dflash_kernels.ops.conv1d import cuda as conv_cuda
 from dflash_kernels.runtime import settings
 from tests.helpers import device, rel_err
@@ -97,8 +99,13 @@ def cpu_backend(request):
 
 
 @pytest.fixture(params=GPU_BACKENDS)
-def gpu_backend(request):
+def gpu_backend(request, monkeypatch):
     _use(request.param)
+    if request.param == "cuda":  # the extension's forward and backward must run, never Triton's
+        def no_triton(*args, **kwargs):
+            raise AssertionError("a Triton conv launcher ran while backend 'cuda' was forced")
+        monkeypatch.setattr(conv_mod, "_triton_fwd", no_triton)
+        monkeypatch.setattr(conv_mod, "_triton_bwd", no_triton)
     yield request.param
     dk.set_backend("conv1d", "auto")
 
