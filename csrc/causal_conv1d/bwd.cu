@@ -140,6 +140,7 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
                 }
                 gv[c][k] *= silu_grad(pre);
             }
+            if (has_seq && sq[k + W - 1] < 0) gv[c][k] = 0.f;  // padding: a constant 0 output
             const float g = gv[c][k];
             db += g;
 #pragma unroll
@@ -419,6 +420,7 @@ bwd_channel_last_kernel(const DflashConvParams p, const int64_t L, const bool ve
                         for (int i = 0; i < W - 1; ++i) pre += (!has_seq || sx[i] == sin[v]) ? w[k][i] * xw[i][k] : 0.f;
                         g[k] *= silu_grad(pre);
                     }
+                    if (has_seq && sin[v] < 0) g[k] = 0.f;  // padding: a constant 0 output
                 }
                 if (u < te) {
 #pragma unroll

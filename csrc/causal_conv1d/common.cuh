@@ -186,10 +186,12 @@ __device__ float pre_at(const DflashConvParams& p, int64_t b, int64_t d, int64_t
     return acc;
 }
 
-// Gradient at the pre-activation of time u: dy[u] * act'(pre[u]); zero outside [0, T).
+// Gradient at the pre-activation of time u: dy[u] * act'(pre[u]); zero outside [0, T) and at
+// padding (a negative sequence id: the output there is the constant 0).
 template <typename T, int W>
 __device__ float g_at(const DflashConvParams& p, int64_t b, int64_t d, int64_t u) {
     if (u < 0 || u >= p.seqlen) return 0.f;
+    if (p.seq_idx != nullptr && seq_at(p, b, u) < 0) return 0.f;
     float g = to_float(static_cast<const T*>(p.dy)[b * p.dy_sb + d * p.dy_sd + u * p.dy_st]);
     if (p.silu) g *= silu_grad(pre_at<T, W>(p, b, d, u));
     return g;

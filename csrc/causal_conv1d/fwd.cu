@@ -80,6 +80,7 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
                 acc += keep ? w[i] * win[k + i] : 0.f;
             }
             out[k] = p.silu ? acc * sigmoid(acc) : acc;
+            if (p.seq_idx != nullptr && sq[k + W - 1] < 0) out[k] = 0.f;  // padding
         }
         const int64_t left = T_ - t0[c];
         const int n = left >= N ? N : int(left);
@@ -292,6 +293,7 @@ fwd_channel_last_kernel(const DflashConvParams p, const int64_t L, const bool ve
                         acc += keep ? w[k][i] * win[i][k] : 0.f;
                     }
                     out[k] = p.silu ? acc * sigmoid(acc) : acc;
+                    if (has_seq && sin[u] < 0) out[k] = 0.f;  // padding
                 }
                 store_vec<T, 16>(yb + t * p.y_st, p.y_sd, nd, vec_here, out);
             }

@@ -34,6 +34,22 @@ def _check_weight(weight, bias, D):
 
 def check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states) -> bool:
     """Raise TypeError/ValueError naming the argument; returns whether the SiLU activation is on."""
+    # The common valid call in a few cheap tests (this runs on every call); anything else, or any
+    # doubt, takes the full checks below, which name the argument at fault.
+    if (seq_idx is None and initial_states is None and isinstance(x, torch.Tensor)
+            and isinstance(weight, torch.Tensor) and (activation is None or activation == "silu")):
+        xs, ws = x.shape, weight.shape
+        if (len(xs) == 3 and len(ws) == 2 and ws[0] == xs[1] and 2 <= ws[1] <= 4 and xs[2] > 0
+                and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES):
+            dev = x.device
+            if weight.device == dev and (bias is None or (
+                    isinstance(bias, torch.Tensor) and bias.shape == ws[:1] and bias.dtype in FLOAT_DTYPES
+                    and bias.device == dev)):
+                return activation is not None
+    return _check_conv1d_inputs_all(x, weight, bias, activation, seq_idx, initial_states)
+
+
+def _check_conv1d_inputs_all(x, weight, bias, activation, seq_idx, initial_states) -> bool:
     check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES)
     B, D, T = x.shape
     _check_weight(weight, bias, D)
@@ -52,7 +68,30 @@ def check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states) ->
     return silu
 
 
-def check_conv1d_update_inputs(x, conv_state, weight, bias, activation) -> bool:
+def _check_index_vector(name, t, B):
+    check_tensor(name, t, ndim=1, dtypes=_SEQ_DTYPES, optional=True)
+    if t is not None and t.shape[0] != B:
+        raise ValueError(f"{name}: expected shape [B={B}], got {tuple(t.shape)}")
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a stride-0 / expanded or overlapping view).
+
+    Sufficient for every layout a permutation of a dense or sliced tensor has: along the dimensions
+    of size > 1, sorted by stride, each stride must reach past the previous dimension's extent."""
+    if t.is_contiguous():
+        return False
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    extent = 1
+    for st, n in dims:
+        if st < extent:
+            return True
+        extent = st * n
+    return False
+
+
+def check_conv1d_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens=None,
+                               conv_state_indices=None) -> bool:
     """Raise TypeError/ValueError naming the argument; returns whether the SiLU activation is on."""
     check_tensor("x", x, ndim=(2, 3), dtypes=FLOAT_DTYPES)
     B, D = x.shape[:2]
@@ -60,7 +99,16 @@ def check_conv1d_update_inputs(x, conv_state, weight, bias, activation) -> bool:
     silu = _check_activation(activation)
     check_tensor("conv_state", conv_state, ndim=3, dtypes=FLOAT_DTYPES)
     W = weight.shape[1]
-    if conv_state.shape[0] != B or conv_state.shape[1] != D or conv_state.shape[2] < W - 1:
-        raise ValueError(f"conv_state: expected shape [B={B}, D={D}, S>={W - 1}], got {tuple(conv_state.shape)}")
-    check_same_device(x=x, conv_state=conv_state, weight=weight, bias=bias)
+    pool = conv_state_indices is not None
+    if (not pool and conv_state.shape[0] != B) or conv_state.shape[1] != D or conv_state.shape[2] < W - 1:
+        rows = "N (the pool)" if pool else f"B={B}"
+        raise ValueError(f"conv_state: expected shape [{rows}, D={D}, S>={W - 1}], got {tuple(conv_state.shape)}")
+    if _overlaps_itself(conv_state):
+        raise ValueError(f"conv_state: updated in place, so its elements must not share memory; got a view "
+                         f"with shape {tuple(conv_state.shape)} and strides {conv_state.stride()} "
+                         f"(expanded or overlapping): pass a tensor of its own, e.g. conv_state.clone()")
+    _check_index_vector("cache_seqlens", cache_seqlens, B)
+    _check_index_vector("conv_state_indices", conv_state_indices, B)
+    check_same_device(x=x, conv_state=conv_state, weight=weight, bias=bias, cache_seqlens=cache_seqlens,
+                      conv_state_indices=conv_state_indices)
     return silu

@@ -11,6 +11,7 @@
   the configured backend's implementation.
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -20,7 +21,7 @@ from dflash_kernels.ops.conv1d import cuda
 from dflash_kernels.ops.conv1d.checks import check_conv1d_inputs, check_conv1d_update_inputs, is_channel_last
 from dflash_kernels.ops.conv1d.kernels import (BWD_CHUNK, BWD_CHUNK_MIN, conv1d_bwd_kernel, conv1d_fwd_kernel,
                                                conv1d_update_kernel)
-from dflash_kernels.runtime import Choice, Op, alloc, bucket, get_backend, register_precompile, settings
+from dflash_kernels.runtime import Choice, Op, alloc, backends, bucket, get_backend, register_precompile, settings
 from dflash_kernels.runtime.autograd import differentiable_op
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd",
@@ -36,6 +37,36 @@ _conv_update = _conv.function("causal_conv1d_update")
 # choice finds the faster per bucket, and untimed, the path without a slow layout is the safe one.
 _impl_choice = Choice("conv1d_impl", default="triton", label="conv1d CUDA-vs-Triton choice",
                       version=cuda.source_hash)
+
+
+# The host path of a call is a few microseconds of Python on top of the launch, as much as a small
+# input's kernel: the configured backend and the implementation it runs are resolved once per
+# setting and cached, keyed on everything resolution reads (the process-wide override of
+# ``set_backend``, DFLASH_KERNELS_BACKEND, the input's device type; TRITON_INTERPRET counts only when
+# set before the import, as the runtime documents), instead of parsing the environment twice per call.
+_ENV = os.environ
+_configured_memo = {}  # (override, DFLASH_KERNELS_BACKEND) -> get_backend(OP)
+_dispatch_memo = {}  # (function, device type, configured backend) -> implementation
+
+
+def _configured() -> str:
+    """``get_backend(OP)``, memoized on what it reads."""
+    key = (backends._chosen.get(OP), _ENV.get("DFLASH_KERNELS_BACKEND"))
+    name = _configured_memo.get(key)
+    if name is None:
+        name = _configured_memo[key] = get_backend(OP)
+    return name
+
+
+def _implementation(op: Op, impls: dict, device: torch.device):
+    """The implementation ``op(device, ...)`` would call, memoized per setting; a backend that cannot
+    run is resolved (and raises ``BackendUnavailable`` with the reason) on every call, never cached."""
+    key = (op.label, device.type, _configured())
+    fn = _dispatch_memo.get(key)
+    if fn is None:
+        fn = impls[op.backend(device)]
+        _dispatch_memo[key] = fn
+    return fn
 
 
 def _with_unit_stride(t: torch.Tensor, channel_last: bool) -> torch.Tensor:
@@ -59,8 +90,12 @@ def causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu
                 (dy, dfinal, x, weight, bias, seq_idx, initial_states, silu))
 
 
-def causal_conv1d_update_fwd(x, conv_state, weight, bias, silu: bool):
-    """Decode step on the chosen implementation; see ``_triton_update``."""
+def causal_conv1d_update_fwd(x, conv_state, weight, bias, silu: bool, cache_seqlens=None, conv_state_indices=None):
+    """Decode step on the chosen implementation; see ``_triton_update``. The CUDA extension's update
+    has no circular buffer or state gather: with ``cache_seqlens`` or ``conv_state_indices`` the
+    Triton kernel runs on every backend."""
+    if cache_seqlens is not None or conv_state_indices is not None:
+        return _triton_update(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
     return _run("update", _triton_update, cuda.cuda_causal_conv1d_update, (x, conv_state, weight, bias, silu))
 
 
@@ -68,11 +103,13 @@ def _run(kind: str, run_triton, run_cuda, args: tuple):
     """Run launcher ``kind`` (``fwd`` / ``bwd`` / ``update``) with ``args`` on the implementation that
     the conv's backend setting picks (module docstring). Forced ``cuda`` without the extension is a
     clear :class:`BackendUnavailable` from the CUDA launcher, never a silent Triton run."""
-    backend = get_backend(OP)
+    backend = _configured()
     if backend == "cuda":
         return run_cuda(*args)
+    if backend != "auto" or not cuda.available():
+        return run_triton(*args)
     x = args[2] if kind == "bwd" else args[0]
-    if backend != "auto" or not cuda.available() or x.device.type != "cuda" or settings.interpreting():
+    if x.device.type != "cuda" or settings.interpreting():
         return run_triton(*args)
     key = _impl_bucket(kind, args)
     impl = _impl_choice.get(x.device, key)
@@ -166,18 +203,23 @@ def _triton_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool
     return dx, dweight, dbias, (dinit if initial_states is not None else None)
 
 
-def _triton_update(x, conv_state, weight, bias, silu: bool):
-    """Launch the decode step: x ``[B, D, L]``, conv_state ``[B, D, S]`` updated in place."""
+def _triton_update(x, conv_state, weight, bias, silu: bool, cache_seqlens=None, conv_state_indices=None):
+    """Launch the decode step: x ``[B, D, L]``; conv_state ``[B, D, S]`` (or a pool ``[N, D, S]``
+    gathered by ``conv_state_indices`` ``[B]``) updated in place; ``cache_seqlens`` ``[B]`` makes it a
+    circular buffer (``naive_causal_conv1d_update`` has the semantics)."""
     B, D, L = x.shape
     S = conv_state.shape[2]
     W = weight.shape[1]
     y = alloc.empty_like(x)
     conv1d_update_kernel(lambda m: (triton.cdiv(D, m["BD"]), B),
             x, conv_state, weight, bias if bias is not None else weight, y,
-            L, D, S, x.stride(0), x.stride(1), x.stride(2),
+            cache_seqlens if cache_seqlens is not None else y,
+            conv_state_indices if conv_state_indices is not None else y,
+            L, D, S, conv_state.shape[0], x.stride(0), x.stride(1), x.stride(2),
             conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
             y.stride(0), y.stride(1), y.stride(2),
-            bucket=(bucket(B * D, 1 << 20),), W=W, HAS_BIAS=bias is not None, ACT=silu)
+            bucket=(bucket(B * D, 1 << 20),), W=W, HAS_BIAS=bias is not None, ACT=silu,
+            CIRCULAR=cache_seqlens is not None, HAS_INDEX=conv_state_indices is not None)
     return y
 
 
@@ -225,7 +267,12 @@ def _backward(ctx, dy, dfinal):
     x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
     if not ctx.return_final_states:
         dfinal = None
-    dx, dweight, dbias, dinit = _bwd_op(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
+    if type(dy) is torch.Tensor and type(x) is torch.Tensor:
+        # Eager: the launcher directly. A traced backward (torch.compile's fake / functional tensor
+        # subclasses) goes through the custom op, which the graph can hold.
+        dx, dweight, dbias, dinit = causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
+    else:
+        dx, dweight, dbias, dinit = _bwd_op(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
     return (dx, dweight, dbias if bias is not None else None, None,
             dinit if initial_states is not None else None, None, None)
 
@@ -236,21 +283,35 @@ _fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _bac
 
 @torch.library.custom_op("dflash_kernels::causal_conv1d_update", mutates_args=("conv_state",))
 def _update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               silu: bool) -> torch.Tensor:
-    return causal_conv1d_update_fwd(x, conv_state, weight, bias, silu)
+               silu: bool, cache_seqlens: Optional[torch.Tensor],
+               conv_state_indices: Optional[torch.Tensor]) -> torch.Tensor:
+    return causal_conv1d_update_fwd(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
 
 
 @_update_op.register_fake
-def _(x, conv_state, weight, bias, silu):
+def _(x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
     return torch.empty_like(x)
 
 
 @_conv.impl("triton", "interpret", "cuda")
 def _conv_kernels(x, weight, bias, activation, seq_idx, initial_states, return_final_states):
-    x = _with_unit_stride(x, is_channel_last(x))
-    y, final = _fwd_differentiable(x, weight.contiguous(), bias.contiguous() if bias is not None else None,
-                                   seq_idx.contiguous() if seq_idx is not None else None, initial_states,
-                                   activation is not None, bool(return_final_states))
+    if not x.is_contiguous():  # a dense channel-last view is kept; anything else is copied
+        x = _with_unit_stride(x, is_channel_last(x))
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if seq_idx is not None and not seq_idx.is_contiguous():
+        seq_idx = seq_idx.contiguous()
+    args = (x, weight, bias, seq_idx, initial_states, activation is not None, bool(return_final_states))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad) or
+                                    (initial_states is not None and initial_states.requires_grad)):
+        y, final = _fwd_differentiable(*args)
+    elif torch.compiler.is_compiling():
+        y, final = _fwd_op(*args)
+    else:  # nothing to differentiate: the launcher directly, without the autograd.Function's cost
+        y, final = causal_conv1d_fwd(*args)
     return (y, final) if return_final_states else y
 
 
@@ -270,26 +331,34 @@ def _conv_peer(x, weight, bias, activation, seq_idx, initial_states, return_fina
 
 
 @_conv_update.impl("triton", "interpret", "cuda")
-def _update_kernels(x, conv_state, weight, bias, activation):
+def _update_kernels(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(-1) if squeeze else x
-    y = _update_op(x3, conv_state, weight.contiguous(), bias.contiguous() if bias is not None else None,
-                   activation is not None)
+    # Outside torch.compile the custom op's dispatch is skipped: the launcher directly (no autograd).
+    run = _update_op if torch.compiler.is_compiling() else causal_conv1d_update_fwd
+    y = run(x3, conv_state, weight if weight.is_contiguous() else weight.contiguous(),
+            bias if bias is None or bias.is_contiguous() else bias.contiguous(), activation is not None,
+            cache_seqlens, conv_state_indices)
     return y.squeeze(-1) if squeeze else y
 
 
 @_conv_update.impl("reference")
-def _update_reference(x, conv_state, weight, bias, activation):
+def _update_reference(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
     from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d_update
 
-    return naive_causal_conv1d_update(x, conv_state, weight, bias, activation)
+    return naive_causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
 @_conv_update.impl("causal_conv1d")
-def _update_peer(x, conv_state, weight, bias, activation):
+def _update_peer(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices):
     from causal_conv1d import causal_conv1d_update as peer_update
 
-    return peer_update(x, conv_state, weight, bias, activation)
+    kwargs = {}
+    if cache_seqlens is not None:
+        kwargs["cache_seqlens"] = cache_seqlens
+    if conv_state_indices is not None:
+        kwargs["conv_state_indices"] = conv_state_indices
+    return peer_update(x, conv_state, weight, bias, activation, **kwargs)
 
 
 def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_states=None,
@@ -298,11 +367,12 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
 
     Args:
         x: ``[B, D, T]``; channel-first (contiguous) or a channel-last view of a ``[B, T, D]`` tensor.
-        weight: ``[D, W]``, W in 2..4.
+        weight: ``[D, W]``, W in 2..4; may be fp32 beside a bf16 / fp16 x (gradients in its dtype).
         bias: ``[D]`` or None.
         activation: None, ``"silu"`` or ``"swish"`` (the same).
         seq_idx: ``[B, T]`` int32/int64 sequence ids of packed sequences; a time only sees earlier
             times of its own sequence. Times before 0 (the initial state) belong to the sequence of t = 0.
+            A negative id (-1) marks padding: the output there is 0 and no gradient flows to or from it.
         initial_states: ``[B, D, W-1]``, the W-1 inputs before t = 0 (zeros when None).
         return_final_states: also return the last W-1 inputs ``[B, D, W-1]``, the next call's state.
 
@@ -311,22 +381,40 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
         weight, bias and initial_states.
     """
     check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states)
-    return _conv(x.device, x, weight, bias, activation, seq_idx, initial_states, return_final_states)
+    return _implementation(_conv, _CONV_IMPLS, x.device)(x, weight, bias, activation, seq_idx, initial_states,
+                                                           return_final_states)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """One decode step (or L steps) against a rolling state, a drop-in for ``causal_conv1d_update``.
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                         conv_state_indices=None):
+    """One decode step (or L steps) against a rolling state, a drop-in for causal-conv1d's
+    ``causal_conv1d_update``.
 
     Args:
-        x: ``[B, D]`` or ``[B, D, L]`` new inputs.
-        conv_state: ``[B, D, S]`` with S >= W-1: the last S inputs; updated in place (shifted by L).
+        x: ``[B, D]`` or ``[B, D, L]`` new inputs (channel-last views accepted).
+        conv_state: ``[B, D, S]`` with S >= W-1, updated in place; with ``conv_state_indices`` a pool
+            ``[N, D, S]``. Without ``cache_seqlens`` it holds the last S inputs and is shifted by L.
+            Must not overlap itself (no stride-0 / expanded views).
         weight: ``[D, W]``; bias: ``[D]`` or None; activation: None, ``"silu"`` or ``"swish"``.
+        cache_seqlens: ``[B]`` int32/int64 or None: ``conv_state`` is a circular buffer, not shifted;
+            the L new inputs are written at ``(cache_seqlens + l) % S`` and the W-1 inputs before them
+            read at ``(cache_seqlens - (W-1) + j) % S``.
+        conv_state_indices: ``[B]`` int32/int64 or None: row b uses ``conv_state[conv_state_indices[b]]``;
+            a negative index marks a padding row (output 0, no state read or written). Indices must
+            be distinct; an index >= N is treated like a negative one.
 
     Returns:
         y with x's shape and dtype.
     """
-    check_conv1d_update_inputs(x, conv_state, weight, bias, activation)
-    return _conv_update(x.device, x, conv_state, weight, bias, activation)
+    check_conv1d_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+    return _implementation(_conv_update, _UPDATE_IMPLS, x.device)(x, conv_state, weight, bias, activation,
+                                                                  cache_seqlens, conv_state_indices)
+
+
+_CONV_IMPLS = {"triton": _conv_kernels, "interpret": _conv_kernels, "cuda": _conv_kernels,
+               "reference": _conv_reference, "causal_conv1d": _conv_peer}
+_UPDATE_IMPLS = {"triton": _update_kernels, "interpret": _update_kernels, "cuda": _update_kernels,
+                 "reference": _update_reference, "causal_conv1d": _update_peer}
 
 
 @register_precompile(OP)

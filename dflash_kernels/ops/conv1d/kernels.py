@@ -8,7 +8,7 @@ compile time and loads along it vectorize. Weight is ``[D, W]`` (contiguous), W 
 
 A source time before 0 reads the initial state ``init[W - 1 + src]`` (zero without one). With
 ``seq_idx`` a source counts only when it belongs to the same sequence as t; times before 0 belong to
-the sequence of t = 0. Each program owns a ``[BD, BT]`` tile of channels x times. Forward and backward
+the sequence of t = 0; a negative id marks padding: y = 0 there, and no gradient flows through it. Each program owns a ``[BD, BT]`` tile of channels x times. Forward and backward
 work on "positions" (the backward's section below): a tile's times are loaded with aligned, vectorized
 loads and shifted in registers, never read again at an unaligned offset, so DRAM traffic stays close
 to one read of each input and one write of each output, and each time's activation is computed once.
@@ -110,6 +110,8 @@ def _conv1d_fwd_kernel(
             acc += wl[j] * _source(xs, qs, p, j, W, HAS_SEQ)
         if ACT:
             acc = _silu(acc)
+        if HAS_SEQ:  # a negative sequence id marks padding: its output is 0
+            acc = tl.where(qs[p + W - 1] >= 0, acc, 0.0)
         ys = ys + (acc,)
     _store_positions(y_ptr, ys, b, d, d_mask, t0, T, stride_xb, stride_xd, stride_xt, CHANNEL_LAST, BD, BT, V)
     if HAS_FINAL:
@@ -386,6 +388,8 @@ def _conv1d_bwd_kernel(
                 for j in tl.static_range(1, W):
                     pre += wl[j] * _source(xs, qs, p, j, W, HAS_SEQ)
                 g = _silu_grad(pre, g)
+            if HAS_SEQ:  # padding outputs are constant 0: no gradient flows back from them
+                g = tl.where(qs[p + W - 1] >= 0, g, 0.0)
             gs = gs + (g,)
             if p < V:
                 new_dw = ()
@@ -427,25 +431,46 @@ def _conv1d_bwd_kernel(
         tl.store(db_ptr + row * D + d, tl.sum(db, axis=1), mask=d_mask)
 
 
-@triton.jit(do_not_specialize=["L", "D", "S", "stride_xb", "stride_xd", "stride_xl",
+@triton.jit(do_not_specialize=["L", "D", "S", "N_STATE", "stride_xb", "stride_xd", "stride_xl",
                                "stride_sb", "stride_sd", "stride_ss", "stride_yb", "stride_yd", "stride_yl"])
 def _conv1d_update_kernel(
-    x_ptr, state_ptr, w_ptr, bias_ptr, y_ptr,
-    L, D, S, stride_xb, stride_xd, stride_xl, stride_sb, stride_sd, stride_ss,
+    x_ptr, state_ptr, w_ptr, bias_ptr, y_ptr, seqlens_ptr, index_ptr,
+    L, D, S, N_STATE, stride_xb, stride_xd, stride_xl, stride_sb, stride_sd, stride_ss,
     stride_yb, stride_yd, stride_yl,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BD: tl.constexpr,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, CIRCULAR: tl.constexpr,
+    HAS_INDEX: tl.constexpr, BD: tl.constexpr,
 ):
-    """Decode: L new steps per sequence against a rolling state ``[B, D, S]`` (S >= W-1), updated in place.
+    """Decode: L new steps per sequence against a state ``[N_STATE, D, S]`` (S >= W-1), updated in place.
 
-    grid = (cdiv(D, BD), B). Each program owns its channels, so the in-place shift has no race.
+    Row b uses state row ``index[b]`` (HAS_INDEX; a negative or out-of-range index is padding: y = 0,
+    the state is neither read nor written), else row b. Without CIRCULAR the state holds the last S
+    inputs and is shifted left by L; with CIRCULAR it is a ring not shifted: the new inputs go to
+    ``(seqlens[b] + l) % S``, the W-1 before them are read at ``(seqlens[b] - j) % S``, j = 1..W-1.
+    grid = (cdiv(D, BD), B). Each program owns its channels of one state row, so the in-place
+    update has no race (given distinct indices).
     """
     tl.static_assert(W >= 2 and W <= 4)
     d = tl.program_id(0) * BD + tl.arange(0, BD)
     b = tl.program_id(1).to(tl.int64)
     d_mask = d < D
-    state = state_ptr + b * stride_sb + d * stride_sd
+    if HAS_INDEX:
+        row = tl.load(index_ptr + b).to(tl.int64)
+        live = (row >= 0) & (row < N_STATE)
+        row = tl.where(live, row, 0)
+        s_mask = d_mask & live
+    else:
+        row = b
+        s_mask = d_mask
+    state = state_ptr + row * stride_sb + d * stride_sd
+    if CIRCULAR:
+        head = tl.load(seqlens_ptr + b).to(tl.int64) % S
+        head = tl.where(head < 0, head + S, head)  # the slot of the first new input
+    else:
+        head = S  # the slot after the last: the inputs before it are at S-1, S-2, ...
     # prev1 = x[t-1], prev2 = x[t-2], prev3 = x[t-3]; unused ones stay zero with zero weight.
-    prev1 = tl.load(state + (S - 1) * stride_ss, mask=d_mask, other=0.0).to(tl.float32)
+    slot1 = head - 1
+    slot1 = tl.where(slot1 < 0, slot1 + S, slot1)
+    prev1 = tl.load(state + slot1 * stride_ss, mask=s_mask, other=0.0).to(tl.float32)
     prev2 = tl.zeros((BD,), dtype=tl.float32)
     prev3 = tl.zeros((BD,), dtype=tl.float32)
     w_cur = tl.load(w_ptr + d * W + (W - 1), mask=d_mask, other=0.0).to(tl.float32)
@@ -453,31 +478,41 @@ def _conv1d_update_kernel(
     w_2 = tl.zeros((BD,), dtype=tl.float32)
     w_3 = tl.zeros((BD,), dtype=tl.float32)
     if W >= 3:
-        prev2 = tl.load(state + (S - 2) * stride_ss, mask=d_mask, other=0.0).to(tl.float32)
+        slot2 = head - 2
+        slot2 = tl.where(slot2 < 0, slot2 + S, slot2)
+        prev2 = tl.load(state + slot2 * stride_ss, mask=s_mask, other=0.0).to(tl.float32)
         w_2 = tl.load(w_ptr + d * W + (W - 3), mask=d_mask, other=0.0).to(tl.float32)
     if W >= 4:
-        prev3 = tl.load(state + (S - 3) * stride_ss, mask=d_mask, other=0.0).to(tl.float32)
+        slot3 = head - 3
+        slot3 = tl.where(slot3 < 0, slot3 + S, slot3)
+        prev3 = tl.load(state + slot3 * stride_ss, mask=s_mask, other=0.0).to(tl.float32)
         w_3 = tl.load(w_ptr + d * W + (W - 4), mask=d_mask, other=0.0).to(tl.float32)
     bias = tl.zeros((BD,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
     for l in tl.range(0, L):
-        x_l = tl.load(x_ptr + b * stride_xb + d * stride_xd + l * stride_xl, mask=d_mask, other=0.0).to(tl.float32)
+        x_raw = tl.load(x_ptr + b * stride_xb + d * stride_xd + l * stride_xl, mask=d_mask, other=0.0)
+        x_l = x_raw.to(tl.float32)
         acc = bias + w_cur * x_l + w_1 * prev1 + w_2 * prev2 + w_3 * prev3
         if ACT:
             acc = acc * tl.sigmoid(acc)
+        if HAS_INDEX:  # padding rows: output 0
+            acc = tl.where(s_mask, acc, 0.0)
         tl.store(y_ptr + b * stride_yb + d * stride_yd + l * stride_yl, acc.to(y_ptr.dtype.element_ty), mask=d_mask)
+        if CIRCULAR:  # the ring is written in place; every input it loses was read above
+            tl.store(state + ((head + l) % S) * stride_ss, x_l.to(state_ptr.dtype.element_ty), mask=s_mask)
         prev3 = prev2
         prev2 = prev1
         prev1 = x_l
-    # Shift the state left by L and append the new inputs; ascending j reads j+L before writing it.
-    for j in tl.range(0, S):
-        src = j + L
-        from_state = tl.load(state + src * stride_ss, mask=d_mask & (src < S), other=0.0)
-        from_x = tl.load(x_ptr + b * stride_xb + d * stride_xd + (src - S) * stride_xl,
-                         mask=d_mask & (src >= S), other=0.0)
-        val = tl.where(src < S, from_state.to(tl.float32), from_x.to(tl.float32))
-        tl.store(state + j * stride_ss, val.to(state_ptr.dtype.element_ty), mask=d_mask)
+    if not CIRCULAR:
+        # Shift the state left by L and append the new inputs; ascending j reads j+L before writing it.
+        for j in tl.range(0, S):
+            src = j + L
+            from_state = tl.load(state + src * stride_ss, mask=s_mask & (src < S), other=0.0)
+            from_x = tl.load(x_ptr + b * stride_xb + d * stride_xd + (src - S) * stride_xl,
+                             mask=s_mask & (src >= S), other=0.0)
+            val = tl.where(src < S, from_state.to(tl.float32), from_x.to(tl.float32))
+            tl.store(state + j * stride_ss, val.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
 conv1d_fwd_kernel = TritonKernel(

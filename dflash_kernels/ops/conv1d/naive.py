@@ -12,7 +12,8 @@ def naive_causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, ini
 
     x ``[B, D, T]``, weight ``[D, W]``, seq_idx ``[B, T]``, initial_states ``[B, D, W-1]``.
     Sources before t = 0 read ``initial_states``; with ``seq_idx`` a source counts only when its
-    sequence id equals the target's (times before 0 carry the id of t = 0). Differentiable.
+    sequence id equals the target's (times before 0 carry the id of t = 0), and a negative id marks
+    padding, where the output is 0. Differentiable.
     Returns y in x's dtype (and the final states ``[B, D, W-1]`` when asked).
     """
     dtype = x.dtype
@@ -38,6 +39,8 @@ def naive_causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, ini
         y = y + bias.float()[None, :, None]
     if activation in ("silu", "swish"):
         y = F.silu(y)
+    if seq_idx is not None:  # a negative id marks padding: output 0 there, no gradient through it
+        y = y * (seq_idx >= 0)[:, None, :]
     y = y.to(dtype)
     if return_final_states:
         final = full[:, :, -(W - 1):].to(dtype)
@@ -45,24 +48,47 @@ def naive_causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, ini
     return y
 
 
-def naive_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """Decode reference: x ``[B, D]`` or ``[B, D, L]``; updates ``conv_state [B, D, S]`` in place."""
+def naive_causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
+                               conv_state_indices=None):
+    """Decode reference: x ``[B, D]`` or ``[B, D, L]``; updates ``conv_state`` in place.
+
+    ``conv_state`` is ``[B, D, S]`` (S >= W-1), or with ``conv_state_indices`` ``[B]`` a pool
+    ``[N, D, S]`` of which row b uses ``conv_state[conv_state_indices[b]]`` (a negative index: padding,
+    output 0, no state read or written). Without ``cache_seqlens`` the state holds the last S inputs
+    and is shifted by L; with ``cache_seqlens`` ``[B]`` it is a circular buffer, not shifted: the L new
+    inputs go to ``(cache_seqlens + l) % S`` and the W-1 inputs before them are read at
+    ``(cache_seqlens - (W-1) + j) % S``.
+    """
     squeeze = x.dim() == 2
     if squeeze:
         x = x.unsqueeze(-1)
     B, D, L = x.shape
     W = weight.shape[1]
     S = conv_state.shape[2]
-    full = torch.cat([conv_state.float(), x.float()], dim=2)  # [B, D, S + L]
-    outs = []
-    for l in range(L):
-        window = full[:, :, S + l - (W - 1):S + l + 1]  # W values ending at x_l
-        y = (window * weight.float()[None]).sum(-1)
-        if bias is not None:
-            y = y + bias.float()[None]
-        if activation in ("silu", "swish"):
-            y = F.silu(y)
-        outs.append(y)
-    conv_state.copy_(full[:, :, L:].to(conv_state.dtype))
-    out = torch.stack(outs, dim=-1).to(x.dtype)
+    out = torch.zeros(B, D, L, dtype=torch.float32, device=x.device)
+    for b in range(B):
+        row = int(conv_state_indices[b]) if conv_state_indices is not None else b
+        if row < 0:
+            continue
+        state = conv_state[row].float()  # [D, S]
+        xb = x[b].float()
+        if cache_seqlens is None:
+            past = state[:, S - (W - 1):]
+            new_state = torch.cat([state, xb], dim=1)[:, L:]
+        else:
+            c = int(cache_seqlens[b])
+            past = state[:, [(c - (W - 1) + j) % S for j in range(W - 1)]]
+            new_state = state.clone()
+            for l in range(L):
+                new_state[:, (c + l) % S] = xb[:, l]
+        full = torch.cat([past, xb], dim=1)  # [D, W-1+L]: input l sits at W-1+l
+        for l in range(L):
+            y = (full[:, l:l + W] * weight.float()).sum(-1)
+            if bias is not None:
+                y = y + bias.float()
+            if activation in ("silu", "swish"):
+                y = F.silu(y)
+            out[b, :, l] = y
+        conv_state[row].copy_(new_state.to(conv_state.dtype))
+    out = out.to(x.dtype)
     return out.squeeze(-1) if squeeze else out
