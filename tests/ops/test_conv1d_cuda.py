@@ -223,6 +223,7 @@ def test_auto_measures_and_persists(monkeypatch, tmp_path):
     # "auto" on CUDA with the extension built: the first call of a bucket times both paths and
     # persists the winner; the result equals the reference either way.
     monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DFLASH_KERNELS_TUNE", raising=False)  # the choice is timed only with tuning on
     conv_mod._impl_choice.reset()
     dk.set_backend("conv1d", "auto")
     x, weight, b, _, _ = base._inputs(2, 512, 1000, 4, torch.bfloat16)
@@ -315,6 +316,7 @@ def test_conv_choice_default_name_and_strict_mode(monkeypatch, tmp_path):
     and untimed (DFLASH_KERNELS_TUNE=0) it runs Triton."""
     choice = conv_mod._impl_choice
     monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DFLASH_KERNELS_TUNE", raising=False)  # strict mode raises only where it would time
     choice.reset()
     cpu = torch.device("cpu")
     assert choice.persist_name(("fwd", 1)) == f"conv1d_impl|{conv_cuda.source_hash()}|('fwd', 1)"
