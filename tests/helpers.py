@@ -18,6 +18,29 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+def worst_row_err(a: torch.Tensor, b: torch.Tensor, row_dims=(-1,), floor: float = 1e-2) -> float:
+    """The largest relative error of one row: max over rows of ||a_r - b_r|| / ||b_r||, in float64.
+
+    A row is the elements along ``row_dims`` (default the last dim: one head's vector of a token);
+    rows are everything else. A whole-tensor norm hides a few wrong rows among many right ones; this
+    does not. A row's norm is floored at ``floor`` times the mean row norm: rows the math makes nearly
+    0 by cancellation (attention's dq of a row that sees one key) keep a rounding residual that is
+    large relative to themselves but not to the tensor. NaN anywhere gives inf, so that it can never
+    pass."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    if a64.shape != b64.shape:
+        raise ValueError(f"shapes differ: {tuple(a64.shape)} and {tuple(b64.shape)}")
+    if torch.isnan(a64).any() or torch.isnan(b64).any():
+        return float("inf")
+    if a64.numel() == 0:
+        return 0.0
+    dims = tuple(d % a64.dim() for d in row_dims)
+    diff = (a64 - b64).norm(dim=dims)
+    ref = b64.norm(dim=dims)
+    low = max(ref.mean().item() * floor, torch.finfo(torch.float64).tiny)
+    return (diff / ref.clamp_min(low)).max().item()
+
+
 def hopper_shared_memory(module: str, name: str, arg_types: dict, constexprs: dict, configs: list) -> list:
     """Bytes of shared memory the ``@triton.jit`` function ``module.name`` needs when compiled for
     sm_90, one number per ``(num_warps, num_stages, extra constexprs)`` in ``configs``.

@@ -11,7 +11,7 @@ import dflash_kernels.ops.attention.kernels as attention_kernels
 from dflash_kernels.ops.attention import (block_sparse_attention, causal_block_mask, dflash_block_mask,
                                           from_flex_block_mask)
 from dflash_kernels.ops.attention.naive import naive_block_sparse_attention, naive_dense_mask
-from tests.helpers import device, rel_err
+from tests.helpers import device, rel_err, worst_row_err
 
 # Buffers the launchers allocate are NaN-filled first (DFLASH_KERNELS_POISON, set by conftest), so an
 # element a kernel skips fails the comparisons below.
@@ -31,25 +31,73 @@ def make_qkv(B, Tq, Tk, Hq, Hkv, D, dtype, seed=0):
 
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+# The worst single row (one head's D-vector of one token; one key's for dk, dv): looser than the
+# whole-tensor bound, since a short row's rounding error does not average out.
+ROW_TOL = {torch.float32: 1e-3, torch.bfloat16: 8e-2, torch.float16: 2e-2}
 
 
-def check_against_reference(q, k, v, do, mask, dtype, memory_budget=1 << 30):
-    """Outputs, lse and all gradients against the fp32 reference on the same (rounded) inputs."""
+def dflash_dense_mask(anchors, S, bs, window=None, valid=None):
+    """The DFlash mask ``[B, N * bs, S + N * bs]`` in plain torch from its definition (block i sees
+    context keys ``max(0, anchor - window) <= kv < anchor`` and its own bs keys; invalid blocks nothing):
+    built from the anchors alone, never from a BlockSparseMask's segments."""
+    B, N = anchors.shape
+    a = anchors.long()
+    blk = torch.arange(N * bs, device=a.device) // bs  # [Tq]: each query's block
+    kv = torch.arange(S + N * bs, device=a.device)  # [Tk]
+    anchor = a[:, blk][..., None]  # [B, Tq, 1]
+    vis = (kv < S) & (kv < anchor)
+    if window is not None:
+        vis &= kv >= anchor - window
+    vis = vis | ((kv >= S) & (torch.div(kv - S, bs, rounding_mode="floor") == blk[:, None]))[None]
+    if valid is not None:
+        vis &= valid[:, blk][..., None]
+    return vis
+
+
+def dense_reference(q, k, v, vis, scale=None):
+    """fp32 SDPA under the boolean mask ``vis [B, Tq, Tk]``; rows that see no key give 0 and lse -inf."""
+    Hq, Hkv, D = q.shape[2], k.shape[2], q.shape[3]
+    scale = D ** -0.5 if scale is None else scale
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
+    m = vis[:, None]
+    seen = m.any(-1, keepdim=True)
+    o = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=m | ~seen, scale=scale)
+    o = torch.where(seen, o, 0.0).transpose(1, 2)
+    lse = torch.logsumexp((qf @ kf.transpose(-1, -2) * scale).masked_fill(~m, float("-inf")), -1)
+    return o, lse
+
+
+def check_against_reference(q, k, v, do, mask, dtype, memory_budget=1 << 30, dense=None):
+    """Outputs, lse and all gradients against the fp32 reference on the same (rounded) inputs, by the
+    whole-tensor and the worst-row relative error. With ``dense`` (a boolean [B, Tq, Tk] mask built
+    independently of ``mask``), the reference is SDPA under it, and the mask must describe it exactly."""
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     o, lse = block_sparse_attention(q, k, v, mask, return_lse=True)
     dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ro, rlse = naive_block_sparse_attention(qf, kf, vf, mask, return_lse=True, memory_budget=memory_budget)
+    if dense is None:
+        ro, rlse = naive_block_sparse_attention(qf, kf, vf, mask, return_lse=True, memory_budget=memory_budget)
+    else:
+        assert torch.equal(naive_dense_mask(mask).expand_as(dense), dense), "the mask differs from its definition"
+        ro, rlse = dense_reference(qf, kf, vf, dense)
     rdq, rdk, rdv = torch.autograd.grad(ro, (qf, kf, vf), do.float())
     for name, x in (("o", o), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not x.isnan().any(), f"{name} has NaN"
     assert torch.equal(lse.isinf(), rlse.isinf())
     finite = rlse.isfinite()
     assert rel_err(lse[finite], rlse[finite]) < 1e-5
-    tol = TOL[dtype]
+    tol, row_tol = TOL[dtype], ROW_TOL[dtype]
     for name, x, ref in (("o", o, ro), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
         err = rel_err(x, ref)
         assert err < tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+        # Rows the reference makes exactly 0 (no key seen; keys no row sees) must be 0.
+        zero = (ref == 0).flatten(-1).all(-1) if name != "dq" else None
+        if zero is not None:
+            assert (x[zero] == 0).all(), f"{name}: a row that must be 0 is not"
+        row = worst_row_err(x[~zero] if zero is not None else x, ref[~zero] if zero is not None else ref)
+        assert row < row_tol, f"{name}: worst row relative error {row:.2e} > {row_tol:.0e}"
     return o, lse, dq, dk, dv
 
 
@@ -71,6 +119,7 @@ def test_dflash_mask_matches_rule(window):
     valid = torch.tensor([[True] * 6, [True, False, True, True, True, False]])
     mask = dflash_block_mask(anchors, S, bs, window=window, valid=valid, kv_tile=16)
     dense = naive_dense_mask(mask)
+    assert torch.equal(dense, dflash_dense_mask(anchors, S, bs, window=window, valid=valid))
     assert dense.shape == (2, N * bs, S + N * bs)
     for b in range(2):
         for t in range(N * bs):
@@ -165,7 +214,8 @@ def test_dflash_attention(B, S, N, bs, Hq, Hkv, window, dtype):
     valid[-1, 1] = False  # a padding block: sees nothing
     mask = dflash_block_mask(anchors.to(DEVICE), S, bs, window=window, valid=valid.to(DEVICE), kv_tile=16)
     q, k, v, do = make_qkv(B, N * bs, S + N * bs, Hq, Hkv, 64, dtype, seed=S)
-    o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype)
+    dense = dflash_dense_mask(anchors.to(DEVICE), S, bs, window=window, valid=valid.to(DEVICE))
+    o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype, dense=dense)
     pad = slice(bs, 2 * bs)
     assert (o[-1, pad] == 0).all() and (dq[-1, pad] == 0).all()
     assert torch.isneginf(lse[-1, :, pad]).all()
@@ -306,8 +356,9 @@ def test_dflash_attention_gpu_sizes(case, dtype):
     valid = torch.ones(B, N, dtype=torch.bool)
     valid[0, -2] = False
     mask = dflash_block_mask(anchors.cuda(), S, 16, window=case["window"], valid=valid.cuda())
+    dense = dflash_dense_mask(anchors.cuda(), S, 16, window=case["window"], valid=valid.cuda())
     q, k, v, do = make_qkv(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype)
-    check_against_reference(q, k, v, do, mask, dtype, memory_budget=40 << 30)
+    check_against_reference(q, k, v, do, mask, dtype, dense=dense)
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ import math
 import torch
 import triton
 
-from dflash_kernels.ops.attention.checks import check_attention_inputs
+from dflash_kernels.ops.attention.checks import check_attention_inputs, check_kernel_grid
 from dflash_kernels.ops.attention.kernels import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
                                                   attention_bwd_preprocess_kernel, attention_fwd_kernel)
 from dflash_kernels.ops.attention.mask import dflash_block_mask
@@ -139,6 +139,7 @@ _fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _bac
 
 @_attention.impl("triton", "interpret")
 def _attention_kernels(q, k, v, mask, scale):
+    check_kernel_grid(q.shape[0], q.shape[2])
     return _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
                                mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries, mask.q_block,
                                mask.kv_tile, mask.tile_width, scale)

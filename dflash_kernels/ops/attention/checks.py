@@ -1,5 +1,7 @@
 """Argument checks of block-sparse attention and of its mask builders."""
 
+import math
+
 import torch
 
 # mask.py imports this module for its builders' checks: each module imports the other whole and
@@ -7,10 +9,32 @@ import torch
 from dflash_kernels.ops.attention import mask as _mask
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
-__all__ = ["HEAD_DIMS", "check_attention_inputs", "check_causal_block_mask_args", "check_dflash_block_mask_args",
+__all__ = ["HEAD_DIMS", "check_attention_inputs", "check_kernel_grid", "check_causal_block_mask_args", "check_dflash_block_mask_args",
            "check_flex_block_mask"]
 
 HEAD_DIMS = (64, 128, 256)
+
+# The kernels index positions, key tiles and element offsets inside one batch element in int32
+# (batch offsets are int64): lengths and per-batch-element sizes must stay below these bounds.
+INT32_MAX = 2**31 - 1
+MAX_TILE = 128  # the widest key tile (BN) a kernel steps by: its last tile may reach past the keys
+MAX_GRID_Y = 65535  # programs on a CUDA grid's second axis (batch x heads there)
+
+
+def check_kv_len(name, kv_len, kv_tile):
+    """Keys ``[0, kv_len)`` plus one key tile past the end must be int32 positions."""
+    if kv_len + max(kv_tile, MAX_TILE) > INT32_MAX:
+        raise ValueError(f"{name}: {kv_len} keys exceed the int32 positions the attention kernels use "
+                         f"(at most {INT32_MAX - max(kv_tile, MAX_TILE)} with kv_tile={kv_tile})")
+
+
+def check_q_len(name, q_len, q_block):
+    """Query positions plus a segment's ``shift`` (up to ``NO_DIAGONAL`` = 2**30) and a few row tiles
+    past the end must be int32 values."""
+    limit = (1 << 30) - 4 * q_block
+    if q_len > limit:
+        raise ValueError(f"{name}: {q_len} query positions exceed the int32 arithmetic of the attention "
+                         f"kernels (at most {limit} with q_block={q_block})")
 
 
 def check_attention_inputs(q, k, v, mask, scale):
@@ -28,8 +52,15 @@ def check_attention_inputs(q, k, v, mask, scale):
     if D not in HEAD_DIMS:
         raise ValueError(f"q: head dim D must be one of {HEAD_DIMS}, got {D}")
     Hkv = k.shape[2]
+    if Hq == 0:
+        raise ValueError(f"q: the head count Hq must be at least 1, got shape {tuple(q.shape)}")
     if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"k: Hq={Hq} must be a multiple of Hkv={Hkv}")
+        raise ValueError(f"k: Hq={Hq} must be a multiple of Hkv={Hkv} (Hkv >= 1)")
+    Tk = k.shape[1]
+    for name, T, H in (("q", Tq, Hq), ("k, v", Tk, Hkv)):
+        if T * H * D > INT32_MAX:
+            raise ValueError(f"{name}: T * H * D = {T} * {H} * {D} elements per batch element exceed the int32 "
+                             f"offsets of the attention kernels (at most {INT32_MAX}); split the batch element")
     if not isinstance(mask, _mask.BlockSparseMask):
         raise TypeError(f"mask: expected a BlockSparseMask (dflash_block_mask, causal_block_mask, "
                         f"from_flex_block_mask), got {type(mask).__name__}")
@@ -40,8 +71,19 @@ def check_attention_inputs(q, k, v, mask, scale):
         raise ValueError(f"mask: batch size {mask.batch_size} must be 1 or B={B}")
     if mask.device != q.device:
         raise ValueError(f"mask: is on {mask.device} but q is on {q.device}; use mask.to(q.device)")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: must be finite, got {scale}")
+
+
+def check_kernel_grid(B, Hq):
+    """The kernels run one program per (row or key tile, batch element x heads): the second count must
+    fit a CUDA grid's second axis."""
+    if B * Hq > MAX_GRID_Y:
+        raise ValueError(f"q: B * Hq = {B} * {Hq} exceeds {MAX_GRID_Y}, the programs a CUDA grid's second axis "
+                         f"holds; split the batch")
 
 
 def _check_int(name, value, low):
@@ -73,6 +115,11 @@ def check_dflash_block_mask_args(anchors, context_len, block_size, window, valid
     if window is not None:
         _check_int("window", window, 1)
     B, N = anchors.shape
+    Tk, limit = context_len + N * block_size, INT32_MAX - max(kv_tile, MAX_TILE)
+    if Tk > limit:
+        raise ValueError(f"context_len: {context_len} context keys plus N * block_size = {N} * {block_size} "
+                         f"block keys exceed the int32 key positions of the attention kernels (Tk at most {limit})")
+    check_q_len("anchors", N * block_size, block_size)  # Tq = N * block_size
     if valid is not None:
         if not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool:
             raise TypeError(f"valid: expected a bool tensor, got "
@@ -100,6 +147,8 @@ def check_causal_block_mask_args(q_len, kv_len, q_block, kv_tile):
     if q_block > 128:
         raise ValueError(f"q_block: at most 128 (kernel tile rows), got {q_block}")
     _check_kv_tile(kv_tile)
+    check_q_len("q_len", q_len, q_block)
+    check_kv_len("kv_len", kv_len, kv_tile)
 
 
 def check_flex_block_mask(block_mask):
@@ -109,3 +158,6 @@ def check_flex_block_mask(block_mask):
     if block_mask.kv_num_blocks.shape[1] != 1:
         raise ValueError(f"block_mask: head-dependent masks are not supported (head dimension "
                          f"{block_mask.kv_num_blocks.shape[1]}); build the BlockMask with H=None")
+    q_len, kv_len = block_mask.seq_lengths
+    check_q_len("block_mask", q_len, block_mask.BLOCK_SIZE[0])
+    check_kv_len("block_mask", kv_len, block_mask.BLOCK_SIZE[1])

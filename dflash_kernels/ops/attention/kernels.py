@@ -72,11 +72,28 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, start, st
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASK:
             vt = tl.load(v_ptrs, mask=(kv < kv_end)[:, None], other=0.0)
+            # A key a row does not see must add exactly 0 to it, but inside the dot p = 0 times a
+            # non-finite value is NaN: the dot takes the finite values only, and the elements of the rows
+            # that see a non-finite value are set to NaN after it (only in tiles that hold one).
+            v_ok = tl.abs(vt) < float("inf")
+            vt = tl.where(v_ok, vt, 0.0)
         else:
             vt = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
+        if MASK:
+            acc = _poison_seen(acc, vis, v_ok)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _poison_seen(acc, vis, ok):
+    """NaN where a row of ``vis`` [R, C] sees an element of ``ok`` [C, D] that is False (not finite):
+    what the product would give without masking. A scalar test first: tiles of finite values skip it."""
+    if tl.sum(tl.sum((ok == 0).to(tl.int32), 1), 0) > 0:
+        hit = tl.dot(vis.to(tl.float16), (ok == 0).to(tl.float16), out_dtype=tl.float32)
+        acc = tl.where(hit > 0.0, float("nan"), acc)
+    return acc
 
 
 @triton.jit
@@ -230,6 +247,12 @@ def _dq_inner(dq, q, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start
             p = tl.where(vis, p, 0.0)
         dp = tl.dot(do_, vT, input_precision=DOT_PREC)
         ds = p * (dp - dlt[:, None])
+        if MASK:
+            # Keys a row does not see add exactly 0 (p = 0 times a non-finite dp is NaN; 0 times a
+            # non-finite key too, inside the dot): a non-finite key reaches the rows that see it
+            # through their scores s, hence p and ds, so the dot may take the finite keys only.
+            ds = tl.where(vis, ds, 0.0)
+            kT = tl.where(tl.abs(kT) < float("inf"), kT, 0.0)
         dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=DOT_PREC)
     return dq
 
@@ -278,9 +301,20 @@ def _dkdv_step(dk, dv, kt, vt, q, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile
     if MASK:
         vis = _visible(t, kv, q0, lo, hi, shift, tile, tiles, BQ, TW, HAS_TILES)
         pT = tl.where(tl.trans(vis), pT, 0.0)
-    dv += tl.dot(pT.to(do_.dtype), do_, input_precision=DOT_PREC)
+        # Rows that do not see a key add exactly 0 to its dk, dv, also when their q, do or row terms
+        # are not finite (0 times NaN inside the dots): dsT is masked after its product; q reaches the
+        # keys its row sees through sT (hence pT, dsT), so the dk dot takes the finite q only; do
+        # reaches dv through the dot alone: finite do in the dot, NaN set afterwards where seen.
+        do_ok = tl.abs(do_) < float("inf")
+        dv += tl.dot(pT.to(do_.dtype), tl.where(do_ok, do_, 0.0), input_precision=DOT_PREC)
+        dv = _poison_seen(dv, tl.trans(vis), do_ok)
+    else:
+        dv += tl.dot(pT.to(do_.dtype), do_, input_precision=DOT_PREC)
     dpT = tl.dot(vt, tl.trans(do_), input_precision=DOT_PREC)
     dsT = pT * (dpT - dlt[None, :])
+    if MASK:
+        dsT = tl.where(tl.trans(vis), dsT, 0.0)
+        q = tl.where(tl.abs(q) < float("inf"), q, 0.0)
     dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
     return dk, dv
 

@@ -1,14 +1,19 @@
 """Argument checks of the gated delta rule's public functions (both take the same arguments)."""
 
+import math
 import warnings
 
 import torch
 
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
-__all__ = ["MAX_HEAD_DIM", "check_gdn_inputs", "pop_fla_kwargs"]
+__all__ = ["MAX_HEAD_DIM", "check_gdn_inputs", "check_kernel_grid", "pop_fla_kwargs"]
 
 MAX_HEAD_DIM = 256
+# Token positions inside a sequence, cu_seqlens' values (int32 on the device) and the chunk loop run in
+# int32 (row offsets are int64): T plus one 64-token chunk past the end must be int32 values.
+MAX_TOKENS = 2**31 - 1 - 64
+MAX_GRID_Y = 65535  # programs on a CUDA grid's second axis: sequences x value heads there
 _INT_DTYPES = (torch.int64, torch.int32)
 
 
@@ -83,6 +88,10 @@ def check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, cu_s
     if tuple(v.shape[:2]) != (B, T):
         raise ValueError(f"v: expected [B={B}, T={T}, Hv, V], got shape {tuple(v.shape)}")
     Hv, V = v.shape[2], v.shape[3]
+    if Hk == 0 or K == 0:
+        raise ValueError(f"q, k: the head count Hk and head dim K must be at least 1, got shape {tuple(q.shape)}")
+    if Hv == 0 or V == 0:
+        raise ValueError(f"v: the head count Hv and head dim V must be at least 1, got shape {tuple(v.shape)}")
     if Hv % Hk != 0:
         raise ValueError(f"v: its head count Hv={Hv} must be a multiple of q/k's Hk={Hk}")
     for name, t in (("g", g), ("beta", beta)):
@@ -93,12 +102,17 @@ def check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, cu_s
             raise ValueError(f"{name}: expected Hv={Hv} elements (one per value head), got shape {tuple(t.shape)}")
     if T == 0:
         raise ValueError(f"q: T must be at least 1, got shape {tuple(q.shape)}")
+    if T > MAX_TOKENS:
+        raise ValueError(f"q: T={T} tokens exceed the int32 positions of the gated delta rule kernels "
+                         f"(at most {MAX_TOKENS}); split the sequence and pass the state along")
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"q, v: head dims K={K}, V={V}: at most {MAX_HEAD_DIM} supported")
     if scale is None:
         scale = K ** -0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale: must be finite, got {scale}")
     N = B
     if cu_seqlens is None:
         for name, t in (("cu_seqlens_cpu", cu_seqlens_cpu), ("chunk_indices", chunk_indices)):
@@ -142,3 +156,11 @@ def check_gdn_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, *, cu_s
         layout = "[N, Hv, V, K] (state_v_first)" if state_v_first else "[N, Hv, K, V]"
         raise ValueError(f"initial_state: expected shape {layout} = {shape}, got {tuple(initial_state.shape)}")
     return N, float(scale)
+
+
+def check_kernel_grid(N, Hv, varlen):
+    """The kernels' scans run one program per (V block, sequence x value head): the second count must
+    fit a CUDA grid's second axis."""
+    if N * Hv > MAX_GRID_Y:
+        raise ValueError(f"{'cu_seqlens' if varlen else 'q'}: N * Hv = {N} sequences * {Hv} value heads exceed "
+                         f"{MAX_GRID_Y}, the programs a CUDA grid's second axis holds; split the batch")

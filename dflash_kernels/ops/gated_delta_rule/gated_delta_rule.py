@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import triton
 
-from dflash_kernels.ops.gated_delta_rule.checks import check_gdn_inputs, pop_fla_kwargs
+from dflash_kernels.ops.gated_delta_rule.checks import check_gdn_inputs, check_kernel_grid, pop_fla_kwargs
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import gdn_bwd_local_kernel, gdn_bwd_state_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_scan_kernel, gdn_fwd_scan_states_kernel,
                                                              gdn_fwd_solve_kernel, gdn_fwd_wu_kernel)
@@ -395,6 +395,7 @@ def _chunk_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, u
     if not use_gate_in_kernel:
         A_log = dt_bias = None
     B, T = q.shape[:2]
+    check_kernel_grid(B if cu_seqlens is None else cu_seqlens.numel() - 1, v.shape[2], cu_seqlens is not None)
     _, _, cu, indices, offsets = _varlen_layout(cu_seqlens, B, T, q.device, cu_seqlens_cpu, chunk_indices)
     # Keep the forward's states for the backward (DFLASH_KERNELS_GDN_SAVE_STATES=1, fixed-length batches,
     # when a gradient will be asked for): memory for the backward's recompute.
@@ -414,6 +415,7 @@ def _recurrent_kernels(q, k, v, g, beta, scale, initial_state, output_final_stat
                        use_beta_sigmoid_in_kernel, allow_neg_eigval, state_v_first):
     if not use_gate_in_kernel:
         A_log = dt_bias = None
+    check_kernel_grid(q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1, v.shape[2], cu_seqlens is not None)
     o, final_state = _gdn_recurrent_op(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
                                        beta.contiguous(), _contiguous(A_log), _contiguous(dt_bias),
                                        _contiguous(initial_state), cu_seqlens, scale, bool(use_qk_l2norm_in_kernel),

@@ -96,11 +96,13 @@ def naive_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
                                  g[b, start:end], beta[b, start:end], scale, state)
         outputs.append(o)
         finals.append(state)
-    if cu_seqlens is None:
+    if not spans:  # an empty batch (B = 0): empty results, still connected to v for autograd
+        o, finals = v * 0.0, [q.new_zeros(0, Hv, K, V)]
+    elif cu_seqlens is None:
         o = torch.stack(outputs, 0)
     else:
         o = torch.cat(outputs, 0)[None]
-    final_state = torch.stack(finals, 0) if output_final_state else None
+    final_state = torch.cat([f[None] for f in finals] if spans else finals, 0) if output_final_state else None
     if final_state is not None and state_v_first:
         final_state = final_state.transpose(-1, -2).contiguous()
     return o, final_state
