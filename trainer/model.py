@@ -23,8 +23,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dflash_kernels as dk
+from dflash_kernels.ops.rms_norm import rms_norm as fused_rms_norm
+from dflash_kernels.ops.rope import apply_rope as fused_apply_rope
+from dflash_kernels.ops.swiglu import swiglu as fused_swiglu
 
-__all__ = ["DrafterConfig", "DFlashDrafter", "RMSNorm", "rope_cos_sin", "apply_rope"]
+__all__ = ["DrafterConfig", "DFlashDrafter", "RMSNorm", "rope_cos_sin", "apply_rope", "swiglu", "FUSED_OPS"]
+
+# The drafter's RMSNorm, RoPE and SwiGLU: "auto" runs the fused dflash_kernels ops (same math: fp32
+# inside, one rounding to the activation dtype) on CUDA tensors and the plain torch chains below
+# elsewhere (on the CPU the ops would run the Triton interpreter, many times slower than torch); True
+# runs the fused ops on any device, False the plain chains (DFLASH_DRAFTER_FUSED=1 / 0 / auto). Read
+# at each call, so tests can compare the two paths on one model.
+FUSED_OPS = {"1": True, "0": False}.get(os.environ.get("DFLASH_DRAFTER_FUSED", "auto"), "auto")
+
+
+def _fused(x) -> bool:
+    return x.is_cuda if FUSED_OPS == "auto" else bool(FUSED_OPS)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -65,6 +79,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if _fused(x):
+            return fused_rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * xf).to(x.dtype)
@@ -79,7 +95,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """x ``[B, T, H, D]``; rotate-half RoPE as in Qwen3/Llama."""
+    """x ``[B, T, H, D]``, cos / sin ``[B, T, 1, D]``; rotate-half RoPE as in Qwen3/Llama (fp32 math)."""
+    if _fused(x):
+        return fused_apply_rope(x, cos, sin)
     x1, x2 = x.chunk(2, -1)
     rot = torch.cat([-x2, x1], -1)
     return (x.float() * cos + rot.float() * sin).to(x.dtype)
@@ -128,7 +146,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def swiglu(gate, up):
+    """``silu(gate) * up``; the fused op computes it in fp32 with one rounding (the plain path rounds
+    ``silu(gate)`` to the activation dtype first, as torch does)."""
+    if _fused(gate):
+        return fused_swiglu(gate, up)
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

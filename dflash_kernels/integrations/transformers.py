@@ -8,14 +8,34 @@ model with adapters onto :func:`dflash_kernels.causal_conv1d`, :func:`~dflash_ke
 :func:`~dflash_kernels.chunk_gated_delta_rule` and :func:`~dflash_kernels.fused_recurrent_gated_delta_rule`
 (same layouts: ``[B, D, T]`` for the conv, ``[B, T, H, K]`` for the delta rule).
 
+The same modules' elementwise chains are routed too, each only where transformers' source has the
+exact formula the op computes (checked on the source text, so a changed formula is left alone):
+
+- ``*RMSNorm.forward`` of the ``x_hat * (1.0 + weight)`` form (Qwen3.5 / Qwen3-Next, fp32 inside,
+  one rounding) -> :func:`dflash_kernels.ops.rms_norm.rms_norm` with ``offset=1.0``;
+- ``*MLP.forward`` of the ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` form -> the same with
+  :func:`dflash_kernels.ops.swiglu.swiglu` when the activation is SiLU (else transformers' own code);
+- ``apply_rotary_pos_emb`` (rotate-half, partial rotary when ``cos`` is narrower than the head) ->
+  :func:`dflash_kernels.ops.rope.apply_rope` on q and k (fp32 math, one rounding; transformers rounds
+  after each op in the activation dtype, so low-precision results differ by that rounding).
+
+The gated RMSNorm of the GDN layers is not routed (it rounds to the input dtype between the norm and
+the weight; no fused op has that form yet).
+
 The replacement is per modeling module, so it applies to every model of that architecture in the
 process; :meth:`KernelRouting.undo` restores transformers' functions (those that call patched).
 """
 
+import inspect
 import sys
 import threading
 
+import torch
+
 import dflash_kernels as dk
+from dflash_kernels.ops.rms_norm import rms_norm as _rms_norm
+from dflash_kernels.ops.rope import apply_rope as _apply_rope
+from dflash_kernels.ops.swiglu import swiglu as _swiglu
 
 __all__ = ["use_dflash_kernels", "KernelRouting"]
 
@@ -51,7 +71,66 @@ ADAPTERS = {
     "torch_recurrent_gated_delta_rule": _recurrent,
 }
 
-_originals = {}  # (module name, global name) -> transformers' function, saved at the first patch
+def _make_rope(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        """transformers' ``apply_rotary_pos_emb`` on dflash_kernels: q, k ``[B, H, T, D]``
+        (``unsqueeze_dim=1``) or ``[B, T, H, D]`` (2), cos / sin ``[B, T, R]``; returns views in the
+        caller's layout. Other layouts run transformers' function."""
+        if cos.dim() != 3 or unsqueeze_dim not in (1, 2) or q.dim() != 4 or k.dim() != 4:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        if unsqueeze_dim == 1:
+            return (_apply_rope(q.transpose(1, 2), cos, sin).transpose(1, 2),
+                    _apply_rope(k.transpose(1, 2), cos, sin).transpose(1, 2))
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    apply_rotary_pos_emb.dflash_kernels_route = True
+    return apply_rotary_pos_emb
+
+
+def _rms_norm_1p_forward(self, x):
+    return _rms_norm(x, self.weight, self.eps, 1.0)
+
+
+def _mlp_forward(self, x):
+    act = getattr(getattr(self, "config", None), "hidden_act", None)
+    if act not in ("silu", "swish"):
+        return _originals[(type(self).__module__, type(self).__name__ + ".forward")](self, x)
+    return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(fn))
+    except (OSError, TypeError):
+        return ""
+
+
+def _elementwise_routes(module):
+    """``[(owner, attribute, replacement)]`` for the norms, MLPs and RoPE of ``module`` whose source
+    has the exact formula of the op that replaces them."""
+    routes = []
+    for name, obj in sorted(vars(module).items()):
+        if not (isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__module__ == module.__name__):
+            continue
+        fwd = obj.__dict__.get("forward")
+        if fwd is None:
+            continue
+        src = _source(fwd)
+        if name.endswith("RMSNorm") and "output * (1.0 + self.weight.float())" in src and "self._norm(x.float())" in src:
+            routes.append((obj, "forward", _rms_norm_1p_forward))
+        elif name.endswith("MLP") and "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))" in src:
+            routes.append((obj, "forward", _mlp_forward))
+    rope = getattr(module, "apply_rotary_pos_emb", None)
+    if rope is not None:
+        src = _source(rope)
+        if "rotate_half(q_rot) * sin" in src or "(rotate_half(q) * sin)" in src:
+            routes.append((module, "apply_rotary_pos_emb", _make_rope(rope)))
+    return routes
+
+
+# (module name, attribute path) -> transformers' object, saved at the first patch. An attribute path is
+# a global name ("causal_conv1d_fn") or "Class.forward".
+_originals = {}
+_owners = {}  # the same keys -> (owner object, attribute name)
 _lock = threading.Lock()
 
 
@@ -72,20 +151,23 @@ class KernelRouting:
         with _lock:
             for key in self._patched:
                 fn = _originals.pop(key, None)
+                owner, attr = _owners.pop(key, (sys.modules[key[0]], key[1]))
                 if fn is not None:
-                    setattr(sys.modules[key[0]], key[1], fn)
+                    setattr(owner, attr, fn)
             self._patched = []
 
     def __repr__(self):
         return f"KernelRouting({self.modules})"
 
 
-def use_dflash_kernels(model) -> KernelRouting:
-    """Make ``model``'s Gated DeltaNet and short causal conv layers run on dflash_kernels.
+def use_dflash_kernels(model, elementwise: bool = True) -> KernelRouting:
+    """Make ``model``'s Gated DeltaNet and short causal conv layers (and, with ``elementwise``, its
+    ``(1 + w)`` RMSNorms, SiLU MLPs and rotate-half RoPE) run on dflash_kernels.
 
     Args:
         model: a transformers model (``nn.Module``) with Qwen3.5 / Qwen3-Next style linear-attention
             layers.
+        elementwise: also route the norms, MLP activations and RoPE of the same modeling modules.
 
     Returns:
         A :class:`KernelRouting` whose ``undo()`` restores transformers' functions.
@@ -107,4 +189,14 @@ def use_dflash_kernels(model) -> KernelRouting:
                     _originals[(module_name, name)] = getattr(module, name)
                     setattr(module, name, adapter)
                     patched.append((module_name, name))
+            if not elementwise:
+                continue
+            for owner, attr, replacement in _elementwise_routes(module):
+                key = (module_name, attr if owner is module else f"{owner.__name__}.{attr}")
+                if key in _originals:
+                    continue
+                _originals[key] = getattr(owner, attr)
+                _owners[key] = (owner, attr)
+                setattr(owner, attr, replacement)
+                patched.append(key)
     return KernelRouting(targets, patched)

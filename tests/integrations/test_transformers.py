@@ -31,8 +31,14 @@ def model(monkeypatch):
     return Qwen3_5ForCausalLM(cfg).to(device()).float().eval()
 
 
+def _elementwise_state():
+    """The objects the elementwise routes replace: the norm and MLP forwards, apply_rotary_pos_emb."""
+    return (modeling_qwen3_5.Qwen3_5RMSNorm.forward, modeling_qwen3_5.Qwen3_5MLP.forward,
+            modeling_qwen3_5.apply_rotary_pos_emb)
+
+
 def _require_kernels():
-    for op in ("conv1d", "gdn"):
+    for op in ("conv1d", "gdn", "rms_norm", "rope", "swiglu"):
         backend = dk.runtime.resolve(op, device())
         if backend not in ("interpret", "triton"):
             pytest.fail(f"needs the Triton kernels for {op} (TRITON_INTERPRET=1 on the CPU), got {backend!r}")
@@ -45,14 +51,18 @@ def test_logits_and_gradients_match_transformers(model):
     ref.square().mean().backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
+    before = _elementwise_state()
     routing = use_dflash_kernels(model)
     try:
         for name, adapter in ADAPTERS.items():
             assert getattr(modeling_qwen3_5, name) is adapter, name
+        after = _elementwise_state()
+        assert all(a is not b for a, b in zip(after, before)), "norm, MLP and RoPE are routed"
         out = model(ids).logits
         out.square().mean().backward()
     finally:
         routing.undo()
+    assert _elementwise_state() == before, "undo restores the norm, MLP and RoPE"
     # fp32 on a GPU: the kernels' fp32 products run on tensor cores in tf32 (10-bit mantissa), the
     # reference's torch matmuls in full fp32 (the worst gradient is dt_bias of layer 0); the
     # interpreter is exact fp32.
@@ -78,16 +88,78 @@ def test_cached_generation_matches(model):
 
 def test_undo_reverts_only_its_own_routing(model):
     # A helper that routes for a while (trainer.build_default on a GPU) must not unroute its caller.
+    before = _elementwise_state()
     outer = use_dflash_kernels(model)
     try:
         inner = use_dflash_kernels(model)
         inner.undo()
         for name, adapter in ADAPTERS.items():
             assert getattr(modeling_qwen3_5, name) is adapter, name
+        assert _elementwise_state() != before
     finally:
         outer.undo()
     for name, adapter in ADAPTERS.items():
         assert getattr(modeling_qwen3_5, name) is not adapter, name
+    assert _elementwise_state() == before
+
+
+def _count_op_calls(monkeypatch):
+    from dflash_kernels.integrations import transformers as integ
+    calls = {"rms_norm": 0, "rope": 0, "swiglu": 0}
+    for name, attr in (("rms_norm", "_rms_norm"), ("rope", "_apply_rope"), ("swiglu", "_swiglu")):
+        real = getattr(integ, attr)
+
+        def counting(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+        monkeypatch.setattr(integ, attr, counting)
+    return calls
+
+
+def test_elementwise_routes_run_the_ops_and_can_be_left_out(model, monkeypatch):
+    """Every (1 + w) RMSNorm (input, post-attention, q/k, final), SwiGLU MLP and RoPE call runs the
+    fused ops (the config's partial rotary: cos is a quarter of head_dim); ``elementwise=False`` routes
+    only the GDN and conv."""
+    _require_kernels()
+    calls = _count_op_calls(monkeypatch)
+    cfg = model.config
+    n_attn = sum(t == "full_attention" for t in cfg.layer_types)
+    ids = torch.randint(0, 97, (1, 12), device=device())
+    with torch.no_grad():
+        ref = model(ids).logits
+    routing = use_dflash_kernels(model)
+    try:
+        with torch.no_grad():
+            out = model(ids).logits
+    finally:
+        routing.undo()
+    assert calls == {"rms_norm": 2 * cfg.num_hidden_layers + 1 + 2 * n_attn, "rope": 2 * n_attn,
+                     "swiglu": cfg.num_hidden_layers}, calls
+    assert rel_err(out, ref) < (1e-3 if out.is_cuda else 1e-5)
+    before = _elementwise_state()
+    routing = use_dflash_kernels(model, elementwise=False)
+    try:
+        assert _elementwise_state() == before
+        assert modeling_qwen3_5.causal_conv1d_fn is ADAPTERS["causal_conv1d_fn"]
+    finally:
+        routing.undo()
+
+
+def test_rope_adapter_matches_transformers_in_both_layouts():
+    from dflash_kernels.integrations.transformers import _make_rope
+    original = inspect.unwrap(modeling_qwen3_5.apply_rotary_pos_emb)
+    adapter = _make_rope(original)
+    B, T, H, Hk, D, R = 2, 7, 4, 2, 32, 8
+    inv = 10000.0 ** (-torch.arange(0, R, 2, device=device()).double() / R)
+    ang = torch.arange(T, device=device()).double()[None, :, None] * inv
+    ang = torch.cat([ang, ang], -1).expand(B, T, R)
+    cos, sin = ang.cos().float(), ang.sin().float()
+    for dim, shape_q, shape_k in ((1, (B, H, T, D), (B, Hk, T, D)), (2, (B, T, H, D), (B, T, Hk, D))):
+        q, k = torch.randn(shape_q, device=device()), torch.randn(shape_k, device=device())
+        got = adapter(q, k, cos, sin, unsqueeze_dim=dim)
+        ref = original(q, k, cos, sin, unsqueeze_dim=dim)
+        for g, r in zip(got, ref):
+            assert g.shape == r.shape and rel_err(g, r) < 1e-6
 
 
 def test_model_without_linear_attention_is_refused():

@@ -1,0 +1,165 @@
+"""Fused RMSNorm: ``y = x / sqrt(mean(x^2) + eps) * (offset + weight)`` over the last dim, fp32 math.
+
+Backends ``triton`` / ``interpret``: one kernel pass forward (``y`` and the per-row fp32 ``rstd``), one
+backward (``dx``, and the weight gradient as per-program fp32 partial rows summed by the host:
+deterministic, no atomics); see ``kernels.py``. ``reference``: ``naive.py``'s fp32 torch code.
+
+``x`` ``[..., D]`` in bf16 / fp16 / fp32, ``weight`` ``[D]`` in any of those (the drafter keeps fp32
+weights under bf16 autocast); ``y`` in ``x``'s dtype, the weight gradient in ``weight``'s.
+"""
+
+from typing import Tuple
+
+import torch
+import triton
+
+from dflash_kernels.ops.rms_norm.checks import check_rms_norm
+from dflash_kernels.ops.rms_norm.kernels import (NARROW_D, rms_norm_bwd_narrow, rms_norm_bwd_wide,
+                                                 rms_norm_fwd_narrow, rms_norm_fwd_wide)
+from dflash_kernels.runtime import Op, alloc, bucket
+from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime.precompile import register_precompile
+
+__all__ = ["rms_norm", "rms_norm_fwd", "rms_norm_bwd"]
+
+OP = "rms_norm"
+_op = Op(OP)
+
+_sm_counts = {}
+
+
+def _bwd_programs(device: torch.device, N: int) -> int:
+    """Programs of the backward (each one partial weight-gradient row): two per SM on a GPU."""
+    if device.type != "cuda":
+        return max(1, min(N, 4))
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_counts:
+        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return max(1, min(N, 2 * _sm_counts[idx]))
+
+
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------- launchers
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
+    """x ``[N, D]`` (unit column stride) -> ``(y [N, D] in x's dtype, rstd [N] fp32)``."""
+    N, D = x.shape
+    y = alloc.empty((N, D), dtype=x.dtype, device=x.device)
+    rstd = alloc.empty((N,), dtype=torch.float32, device=x.device)
+    if N:
+        kernel = rms_norm_fwd_narrow if D <= NARROW_D else rms_norm_fwd_wide
+        kernel(lambda m: (triton.cdiv(N, m["BM"]),), x, weight, y, rstd, N, x.stride(0), y.stride(0), eps, offset,
+               bucket=(bucket(N, cap=1 << 16),), D=D, BD=triton.next_power_of_2(D))
+    return y, rstd
+
+
+def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool):
+    """``(dx [N, D] in x's dtype, dw [D] in weight's dtype or None)``."""
+    N, D = x.shape
+    dx = alloc.empty((N, D), dtype=x.dtype, device=x.device)
+    P = _bwd_programs(x.device, N)
+    partial = alloc.empty((P, D), dtype=torch.float32, device=x.device) if need_dw else None
+    if N:
+        kernel = rms_norm_bwd_narrow if D <= NARROW_D else rms_norm_bwd_wide
+        kernel((P,), dy, x, weight, rstd, dx, partial if need_dw else rstd, N, triton.cdiv(N, P), dy.stride(0),
+               x.stride(0), dx.stride(0), offset, bucket=(bucket(N, cap=1 << 16),), D=D,
+               BD=triton.next_power_of_2(D), HAS_DW=need_dw)
+    dw = None
+    if need_dw:
+        dw = (partial.sum(0) if N else torch.zeros(D, dtype=torch.float32, device=x.device)).to(weight.dtype)
+    return dx, dw
+
+
+# ------------------------------------------------------------------------------------- custom ops
+def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_fwd(x, weight, eps, offset)
+
+
+_fwd_op = torch.library.custom_op("dflash_kernels::rms_norm_fwd", mutates_args=())(_fwd_impl)
+
+
+@_fwd_op.register_fake
+def _(x, weight, eps, offset):
+    return x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash_kernels::rms_norm_bwd", mutates_args=())
+def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
+            need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    dx, dw = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw)
+    return dx, dw if dw is not None else weight.new_empty((0,))
+
+
+@_bwd_op.register_fake
+def _(dy, x, weight, rstd, offset, need_dw):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape if need_dw else (0,))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, eps, offset = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)
+    ctx.offset = offset
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _backward(ctx, dy, _drstd):
+    if dy is None:
+        return None, None, None, None
+    x, weight, rstd = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not (need_dx or need_dw):
+        return None, None, None, None
+    dx, dw = _bwd_op(dy, x, weight, rstd, ctx.offset, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
+
+
+_fwd = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
+
+
+# ------------------------------------------------------------------------------------ public API
+@_op.impl("reference")
+def _reference(x, weight, eps, offset):
+    from dflash_kernels.ops.rms_norm.naive import naive_rms_norm
+    return naive_rms_norm(x, weight, eps, offset)
+
+
+@_op.impl("triton", "interpret")
+def _fast(x, weight, eps, offset):
+    D = x.shape[-1]
+    y, _ = _fwd(_unit_rows(x.reshape(-1, D)), weight, eps, offset)
+    return y.view(x.shape)
+
+
+def rms_norm(x, weight, eps=1e-6, offset=0.0):
+    """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (offset + weight)``, fp32 math.
+
+    Args:
+        x: ``[..., D]``, fp32 / bf16 / fp16, any strides (rows with a unit column stride are read in
+            place, others copied once). D at most 16384.
+        weight: ``[D]``, any of those dtypes (fp32 weights with bf16 activations are fine).
+        eps: added to the mean square.
+        offset: ``0.0`` gives ``x_hat * weight`` (Llama, Qwen3); ``1.0`` gives ``x_hat * (1 + weight)``
+            (Qwen3.5, Qwen3-Next, Gemma), all in fp32 before the one rounding to ``x``'s dtype.
+
+    Returns:
+        ``y``, ``x``'s shape and dtype (contiguous). Differentiable in ``x`` and ``weight``; the weight
+        gradient is reduced deterministically, in fp32, and returned in ``weight``'s dtype.
+    """
+    eps, offset = check_rms_norm(x, weight, eps, offset)
+    return _op(x.device, x, weight, eps, offset)
+
+
+# ------------------------------------------------------------------------------------- precompile
+@register_precompile(OP)
+def _precompile(shape, dtype, device, backward):
+    """shape: ``N`` rows of ``D``; optional ``weight_dtype`` (default: ``dtype``) and ``offset`` (0.0)."""
+    N, D = shape["N"], shape["D"]
+    x = torch.randn(N, D, device=device, dtype=dtype).requires_grad_(backward)
+    w = torch.randn(D, device=device, dtype=shape.get("weight_dtype", dtype)).requires_grad_(backward)
+    y = rms_norm(x, w, 1e-6, shape.get("offset", 0.0))
+    if backward:
+        torch.autograd.grad(y, (x, w), torch.randn_like(y))

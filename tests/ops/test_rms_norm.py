@@ -1,0 +1,253 @@
+"""rms_norm (fused RMSNorm, plain and ``(1 + w)`` forms) against the plain fp32 reference.
+
+Outputs and the gradients of x and weight by whole-tensor and worst-row relative error, at odd sizes
+(D not a power of two, row counts not a multiple of any block), narrow (head norm) and wide rows,
+non-contiguous inputs, fp32 weights under low-precision activations; deterministic weight gradient;
+torch.compile, checkpoint, threads, precompile + strict, argument errors; every tuning candidate
+compiled for sm_90; real sizes on a GPU.
+"""
+
+import threading
+
+import pytest
+import torch
+
+from dflash_kernels.ops.rms_norm import naive_rms_norm, rms_norm
+from dflash_kernels.runtime import resolve
+from tests.helpers import device, rel_err
+
+OP = "rms_norm"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _require_kernels():
+    backend = resolve(OP, device())
+    if backend not in ("interpret", "triton"):
+        pytest.fail(f"{OP} tests need the Triton kernels (interpreter on the CPU), got {backend!r}; "
+                    f"run with TRITON_INTERPRET=1")
+
+
+def worst_row_err(got, ref):
+    g = got.detach().double().reshape(-1, got.shape[-1])
+    r = ref.detach().double().reshape(-1, ref.shape[-1])
+    if torch.isnan(g).any() or torch.isnan(r).any():
+        return float("inf")
+    rn = r.norm(dim=1)
+    floor = rn.square().mean().sqrt().clamp_min(1e-30)
+    return ((g - r).norm(dim=1) / torch.maximum(rn, floor)).max().item()
+
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (8e-3, 1.6e-2), torch.float16: (1e-3, 2e-3)}
+
+
+def _check(name, got, ref, dtype):
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    tol, row_tol = TOL[dtype]
+    err = rel_err(got, ref)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+    if got.dim() > 1:
+        werr = worst_row_err(got, ref)
+        assert werr <= row_tol, f"{name}: worst row relative error {werr:.3g} > {row_tol:.3g}"
+
+
+def _compare(x, w, eps, offset, dtype):
+    """Ours on (x, w) against the reference on their fp32 copies; gradients of both inputs."""
+    xo, wo = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    xr, wr = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y = rms_norm(xo, wo, eps, offset)
+    yr = naive_rms_norm(xr, wr, eps, offset)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    go = torch.randn(y.shape, device=y.device).to(dtype)
+    dx, dw = torch.autograd.grad(y, (xo, wo), go)
+    dxr, dwr = torch.autograd.grad(yr, (xr, wr), go.float())
+    _check("y", y, yr.to(dtype), dtype)
+    _check("dx", dx, dxr, dtype)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    err = rel_err(dw, dwr)
+    assert err <= TOL[dtype][0] * (1 if w.dtype == torch.float32 else 2), f"dweight: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["w", "1+w"])
+@pytest.mark.parametrize("D", [67, 600], ids=["narrow67", "wide600"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference(dtype, D, offset):
+    x = (torch.randn(3, 13, D, device=device()) * 3 + 0.5).to(dtype)
+    w = (torch.randn(D, device=device()) * 0.3 + (0.0 if offset else 1.0)).to(dtype)
+    _compare(x, w, 1e-6, offset, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fp32_weight_with_low_precision_x(dtype):
+    """The drafter's case under autocast: fp32 weights, bf16 activations; dweight stays fp32."""
+    x = torch.randn(41, 96, device=device()).to(dtype)
+    w = torch.rand(96, device=device()) + 0.5
+    _compare(x, w, 1e-5, 0.0, dtype)
+
+
+def test_non_contiguous_inputs():
+    """A chunk of a wider projection (the Qwen3.5 q_norm input: row stride 2D) and a transposed view."""
+    base = torch.randn(2, 9, 3, 2 * 40, device=device())
+    x = base[..., :40]  # [B, T, H, D] with row stride 80
+    w = torch.randn(40, device=device())
+    _compare(x, w, 1e-6, 1.0, torch.float32)
+    xt = torch.randn(40, 33, device=device()).t()  # unit stride on the wrong dim: copied once
+    _compare(xt, w, 1e-6, 0.0, torch.float32)
+
+
+def test_only_one_input_requires_grad_and_empty_input():
+    x = torch.randn(10, 24, device=device())
+    w = torch.randn(24, device=device(), requires_grad=True)
+    (dw,) = torch.autograd.grad(rms_norm(x, w).sum(), (w,))
+    (dwr,) = torch.autograd.grad(naive_rms_norm(x, w).sum(), (w,))
+    assert rel_err(dw, dwr) < 1e-5
+    xg = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(rms_norm(xg, w.detach()).sum(), (xg,))
+    assert rel_err(dx, torch.autograd.grad(naive_rms_norm(xg, w.detach()).sum(), (xg,))[0]) < 1e-5
+    e = torch.randn(0, 24, device=device(), requires_grad=True)
+    y = rms_norm(e, w)
+    assert y.shape == (0, 24)
+    de, dw0 = torch.autograd.grad(y.sum(), (e, w))
+    assert de.shape == (0, 24) and not dw0.any()
+
+
+def test_weight_gradient_is_deterministic():
+    x = torch.randn(203, 72, device=device(), requires_grad=True)
+    w = torch.randn(72, device=device(), requires_grad=True)
+    go = torch.randn(203, 72, device=device())
+    first = torch.autograd.grad(rms_norm(x, w, 1e-6, 1.0), (x, w), go)
+    for _ in range(2):
+        again = torch.autograd.grad(rms_norm(x, w, 1e-6, 1.0), (x, w), go)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_torch_compile_no_graph_break():
+    x = torch.randn(2, 7, 48, device=device())
+    w = torch.randn(48, device=device())
+
+    def f(x, w):
+        return rms_norm(x * 2, w, 1e-6, 1.0).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = [t.clone().requires_grad_() for t in (x, w)]
+    exp = [t.clone().requires_grad_() for t in (x, w)]
+    out = compiled(*got)
+    out.backward()
+    ref = f(*exp)
+    ref.backward()
+    assert rel_err(out, ref) < 1e-6
+    for g, e in zip(got, exp):
+        assert rel_err(g.grad, e.grad) < 1e-6
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_checkpoint(reentrant):
+    x = torch.randn(11, 40, device=device(), requires_grad=True)
+    w = torch.randn(40, device=device(), requires_grad=True)
+
+    def f(x, w):
+        return rms_norm(torch.tanh(x), w).square().sum()
+    loss = torch.utils.checkpoint.checkpoint(f, x, w, use_reentrant=reentrant)
+    loss.backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    f(x, w).backward()
+    assert rel_err(gx, x.grad) < 1e-6 and rel_err(gw, w.grad) < 1e-6
+
+
+def test_threads_on_fresh_shapes():
+    errors = []
+    gen = torch.Generator().manual_seed(1)
+    cases = [(torch.randn(5 + 3 * i, 16 + 9 * i, generator=gen).to(device()),
+              torch.randn(16 + 9 * i, generator=gen).to(device())) for i in range(6)]
+
+    def work(i):
+        try:
+            x, w = cases[i]
+            _compare(x, w, 1e-6, float(i % 2), torch.float32)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append((i, repr(e)))
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_precompile_then_strict():
+    from dflash_kernels.runtime import precompile, strict
+    precompile([(OP, dict(N=20, D=40, offset=1.0), torch.float32)], devices=[device()], verbose=False)
+    x = torch.randn(20, 40, device=device(), requires_grad=True)
+    w = torch.randn(40, device=device(), requires_grad=True)
+    with strict():
+        rms_norm(x, w, 1e-6, 1.0).sum().backward()
+
+
+BAD = [
+    (lambda a: dict(a, x=a["x"].long()), TypeError, "x: dtype torch.int64"),
+    (lambda a: dict(a, x="x"), TypeError, "x: expected a tensor"),
+    (lambda a: dict(a, weight=a["weight"][:5]), ValueError, r"weight: expected shape \[D=8\]"),
+    (lambda a: dict(a, weight=a["weight"].double()), TypeError, "weight: dtype torch.float64"),
+    (lambda a: dict(a, weight=a["weight"].to("meta")), ValueError, "weight: is on meta"),
+    (lambda a: dict(a, eps=-1.0), ValueError, "eps: expected a number >= 0, got -1.0"),
+    (lambda a: dict(a, eps="1e-6"), TypeError, "eps: expected a finite number"),
+    (lambda a: dict(a, offset=float("nan")), TypeError, "offset: expected a finite number"),
+    (lambda a: dict(a, x=torch.randn(2, 0)), ValueError, "x: expected shape"),
+]
+
+
+@pytest.mark.parametrize("change,exc,match", BAD, ids=[b[2][:30] for b in BAD])
+def test_bad_input(change, exc, match):
+    a = change(dict(x=torch.randn(6, 8), weight=torch.randn(8), eps=1e-6, offset=0.0))
+    with pytest.raises(exc, match=match):
+        rms_norm(a["x"], a["weight"], a["eps"], a["offset"])
+
+
+def test_kernel_configs_compile_for_hopper():
+    """Every tuning candidate compiles for sm_90 (no GPU needed) and fits the H200's shared memory."""
+    from dflash_kernels.ops.rms_norm import kernels as k
+    from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
+    mod = "dflash_kernels.ops.rms_norm.kernels"
+    fwd_types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "eps": "fp32",
+                 "offset": "fp32"}
+    bwd_types = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
+                 "dw_ptr": "*fp32", "offset": "fp32"}
+    shared = []
+    for fn, types, consts, configs in [
+            ("_rms_norm_fwd_kernel", fwd_types, dict(D=128, BD=128), k.FWD_NARROW_CONFIGS),
+            ("_rms_norm_fwd_kernel", fwd_types, dict(D=2560, BD=4096), k.FWD_WIDE_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=256, BD=256, HAS_DW=True), k.BWD_NARROW_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=2560, BD=4096, HAS_DW=True), k.BWD_WIDE_CONFIGS)]:
+        shared += hopper_shared_memory(mod, fn, types, consts, [(c.num_warps, c.num_stages, c.meta) for c in configs])
+    assert all(s <= H200_SHARED_MEMORY for s in shared), shared
+
+
+# ------------------------------------------------------------------------------------ GPU, real sizes
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["w", "1+w"])
+@pytest.mark.parametrize("shape,wdtype", [((8192, 2560), torch.float32), ((3072, 2560), torch.bfloat16),
+                                          ((8192 * 32, 128), torch.float32), ((3 * 4099, 8, 256), torch.bfloat16)],
+                         ids=["hidden8192-w32", "hidden3072", "qnorm-w32", "odd-rows-256"])
+def test_gpu_real_sizes_bf16(shape, wdtype, offset):
+    x = (torch.randn(shape, device="cuda") * 2).to(torch.bfloat16)
+    w = (torch.randn(shape[-1], device="cuda") * 0.2 + (0.0 if offset else 1.0)).to(wdtype)
+    _compare(x, w, 1e-6, offset, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gpu_other_dtypes(dtype):
+    x = torch.randn(4097, 2560, device="cuda").to(dtype)
+    w = torch.randn(2560, device="cuda").to(dtype)
+    _compare(x, w, 1e-6, 1.0, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_weight_gradient():
+    x = torch.randn(8192, 2560, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2560, device="cuda", requires_grad=True)
+    go = torch.randn_like(x)
+    a = torch.autograd.grad(rms_norm(x, w), (x, w), go)
+    b = torch.autograd.grad(rms_norm(x, w), (x, w), go)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
