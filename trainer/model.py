@@ -29,12 +29,13 @@ from dflash_kernels.ops.swiglu import swiglu as fused_swiglu
 
 __all__ = ["DrafterConfig", "DFlashDrafter", "RMSNorm", "rope_cos_sin", "apply_rope", "swiglu", "FUSED_OPS"]
 
-# The drafter's RMSNorm, RoPE and SwiGLU: "auto" runs the fused dflash_kernels ops (same math: fp32
-# inside, one rounding to the activation dtype) on CUDA tensors and the plain torch chains below
-# elsewhere (on the CPU the ops would run the Triton interpreter, many times slower than torch); True
-# runs the fused ops on any device, False the plain chains (DFLASH_DRAFTER_FUSED=1 / 0 / auto). Read
-# at each call, so tests can compare the two paths on one model.
-FUSED_OPS = {"1": True, "0": False}.get(os.environ.get("DFLASH_DRAFTER_FUSED", "auto"), "auto")
+# The drafter's RMSNorm, RoPE and SwiGLU: False (the default) runs the plain torch chains below; "auto"
+# runs the fused dflash_kernels ops (same math: fp32 inside, one rounding to the activation dtype) on
+# CUDA tensors and the plain chains elsewhere (on the CPU the ops would run the Triton interpreter,
+# many times slower than torch); True runs the fused ops on any device (DFLASH_DRAFTER_FUSED=0 / auto /
+# 1). The fused ops stay opt-in until they are measured on a GPU. Read at each call, so tests can
+# compare the two paths on one model.
+FUSED_OPS = {"1": True, "auto": "auto"}.get(os.environ.get("DFLASH_DRAFTER_FUSED", "0"), False)
 
 
 def _fused(x) -> bool:

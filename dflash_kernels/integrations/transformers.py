@@ -8,8 +8,9 @@ model with adapters onto :func:`dflash_kernels.causal_conv1d`, :func:`~dflash_ke
 :func:`~dflash_kernels.chunk_gated_delta_rule` and :func:`~dflash_kernels.fused_recurrent_gated_delta_rule`
 (same layouts: ``[B, D, T]`` for the conv, ``[B, T, H, K]`` for the delta rule).
 
-The same modules' elementwise chains are routed too, each only where transformers' source has the
-exact formula the op computes (checked on the source text, so a changed formula is left alone):
+With ``elementwise=True`` (opt-in until these routes are measured on a GPU) the same modules'
+elementwise chains are routed too, each only where transformers' source has the exact formula the op
+computes (checked on the source text, so a changed formula is left alone):
 
 - ``*RMSNorm.forward`` of the ``x_hat * (1.0 + weight)`` form (Qwen3.5 / Qwen3-Next, fp32 inside,
   one rounding) -> :func:`dflash_kernels.ops.rms_norm.rms_norm` with ``offset=1.0``;
@@ -160,7 +161,7 @@ class KernelRouting:
         return f"KernelRouting({self.modules})"
 
 
-def use_dflash_kernels(model, elementwise: bool = True) -> KernelRouting:
+def use_dflash_kernels(model, elementwise: bool = False) -> KernelRouting:
     """Make ``model``'s Gated DeltaNet and short causal conv layers (and, with ``elementwise``, its
     ``(1 + w)`` RMSNorms, SiLU MLPs and rotate-half RoPE) run on dflash_kernels.
 

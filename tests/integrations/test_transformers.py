@@ -52,7 +52,7 @@ def test_logits_and_gradients_match_transformers(model):
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     before = _elementwise_state()
-    routing = use_dflash_kernels(model)
+    routing = use_dflash_kernels(model, elementwise=True)
     try:
         for name, adapter in ADAPTERS.items():
             assert getattr(modeling_qwen3_5, name) is adapter, name
@@ -78,7 +78,7 @@ def test_cached_generation_matches(model):
     _require_kernels()
     ids = torch.randint(0, 97, (1, 20), device=device())
     ref = model.generate(ids, max_new_tokens=6, do_sample=False)
-    routing = use_dflash_kernels(model)
+    routing = use_dflash_kernels(model, elementwise=True)
     try:
         out = model.generate(ids, max_new_tokens=6, do_sample=False)
     finally:
@@ -89,9 +89,9 @@ def test_cached_generation_matches(model):
 def test_undo_reverts_only_its_own_routing(model):
     # A helper that routes for a while (trainer.build_default on a GPU) must not unroute its caller.
     before = _elementwise_state()
-    outer = use_dflash_kernels(model)
+    outer = use_dflash_kernels(model, elementwise=True)
     try:
-        inner = use_dflash_kernels(model)
+        inner = use_dflash_kernels(model, elementwise=True)
         inner.undo()
         for name, adapter in ADAPTERS.items():
             assert getattr(modeling_qwen3_5, name) is adapter, name
@@ -127,7 +127,7 @@ def test_elementwise_routes_run_the_ops_and_can_be_left_out(model, monkeypatch):
     ids = torch.randint(0, 97, (1, 12), device=device())
     with torch.no_grad():
         ref = model(ids).logits
-    routing = use_dflash_kernels(model)
+    routing = use_dflash_kernels(model, elementwise=True)
     try:
         with torch.no_grad():
             out = model(ids).logits

@@ -1,5 +1,6 @@
 """The runtime: per-key compile cache under threads, strict mode, tuning persistence, precompile, backends."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -461,9 +462,15 @@ def _public_ops():
     from dflash_kernels.ops.attention import attention
     from dflash_kernels.ops.conv1d import conv1d
     from dflash_kernels.ops.gated_delta_rule import gated_delta_rule
+
+    def module(name):  # the op module (each op package exports a function of the module's name)
+        return importlib.import_module(f"dflash_kernels.ops.{name}.{name}")
     return {"block_sparse_attention": attention._attention, "causal_conv1d": conv1d._conv,
             "causal_conv1d_update": conv1d._conv_update, "chunk_gated_delta_rule": gated_delta_rule._gdn,
-            "fused_recurrent_gated_delta_rule": gated_delta_rule._gdn_recurrent}
+            "fused_recurrent_gated_delta_rule": gated_delta_rule._gdn_recurrent,
+            "linear_cross_entropy": module("linear_cross_entropy")._op, "rms_norm": module("rms_norm")._op,
+            "apply_rope": module("rope")._op, "swiglu": module("swiglu")._op,
+            "swiglu_packed": module("swiglu")._op_packed}
 
 
 @pytest.mark.parametrize("function", sorted(_public_ops()))
@@ -490,6 +497,21 @@ def _reference_calls(function):
             return naive, "naive_causal_conv1d", lambda: dk.causal_conv1d(rand(1, 4, 8), rand(4, 4), None, "silu")
         return naive, "naive_causal_conv1d_update", lambda: dk.causal_conv1d_update(
             rand(1, 4), rand(1, 4, 3), rand(4, 4), None, "silu")
+    if function == "linear_cross_entropy":
+        from dflash_kernels.ops.linear_cross_entropy import naive
+        return naive, "naive_linear_cross_entropy", lambda: dk.linear_cross_entropy(
+            rand(6, 8), rand(11, 8), torch.randint(0, 11, (6,), generator=g))
+    if function == "rms_norm":
+        from dflash_kernels.ops.rms_norm import naive
+        return naive, "naive_rms_norm", lambda: dk.rms_norm(rand(3, 16), rand(16))
+    if function == "apply_rope":
+        from dflash_kernels.ops.rope import naive
+        return naive, "naive_apply_rope", lambda: dk.apply_rope(rand(1, 4, 2, 16), rand(1, 4, 16), rand(1, 4, 16))
+    if function.startswith("swiglu"):
+        from dflash_kernels.ops.swiglu import naive
+        if function == "swiglu":
+            return naive, "naive_swiglu", lambda: dk.swiglu(rand(3, 8), rand(3, 8))
+        return naive, "naive_swiglu_packed", lambda: dk.swiglu_packed(rand(3, 16))
     from dflash_kernels.ops.gated_delta_rule import naive
     q, k, v = rand(1, 5, 1, 16), torch.nn.functional.normalize(rand(1, 5, 1, 16), dim=-1), rand(1, 5, 2, 16)
     g_, beta = -torch.rand(1, 5, 2, generator=g), torch.rand(1, 5, 2, generator=g)

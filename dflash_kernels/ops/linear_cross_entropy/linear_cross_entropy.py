@@ -39,7 +39,7 @@ import triton
 
 from dflash_kernels.ops.linear_cross_entropy.checks import check_arguments, check_label_range
 from dflash_kernels.ops.linear_cross_entropy.kernels import linear_ce_rows
-from dflash_kernels.ops.linear_cross_entropy.naive import naive_linear_cross_entropy
+from dflash_kernels.ops.linear_cross_entropy import naive
 from dflash_kernels.runtime import Op, alloc, bucket
 from dflash_kernels.runtime.autograd import differentiable_op
 from dflash_kernels.runtime.precompile import register_precompile
@@ -294,9 +294,9 @@ _fwd = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
 # ------------------------------------------------------------------------------------ public API
 @_op.impl("reference")
 def _reference(hidden, weight, labels, bias, weights, ignore_index, reduction, softcap, return_lse, return_argmax):
-    return naive_linear_cross_entropy(hidden, weight, labels, bias=bias, weights=weights, ignore_index=ignore_index,
-                                      reduction=reduction, softcap=softcap, return_lse=return_lse,
-                                      return_argmax=return_argmax)
+    return naive.naive_linear_cross_entropy(hidden, weight, labels, bias=bias, weights=weights,
+                                            ignore_index=ignore_index, reduction=reduction, softcap=softcap,
+                                            return_lse=return_lse, return_argmax=return_argmax)
 
 
 @_op.impl("triton", "interpret")
