@@ -2,7 +2,7 @@
 
 Install:  pip install -e ".[test]"     (the CPU machine: Triton interpreter and reference backends)
 Peers:    pip install -e ".[peers]"    (CUDA machines only: flash-linear-attention, causal-conv1d)
-CUDA:     pip install -e . --no-build-isolation   (with a CUDA build of torch and nvcc: also builds
+CUDA:     python -m pip install -e . --no-build-isolation   (with a CUDA build of torch and nvcc: also builds
           the extension dflash_kernels._C from csrc/; the isolated build environment has no torch)
 
 Build variables:

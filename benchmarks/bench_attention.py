@@ -116,7 +116,7 @@ def _bench_shape(s, device, dtype, quick, with_flex):
     return rows
 
 
-# The chip's attention ceiling in the same run: dense causal SDPA (ANCHORS.md: "8k x 8k, 32 heads").
+# The chip's attention ceiling in the same run: dense causal SDPA at 8k x 8k, 32 heads.
 DENSE_SHAPE = dict(B=2, T=8192, H=32, D=128)
 
 

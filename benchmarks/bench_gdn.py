@@ -1,6 +1,6 @@
 """Gated DeltaNet chunked scan: dflash_kernels against fla's ``chunk_gated_delta_rule``, same run.
 
-Shapes of Qwen3.5/3.6 GDN layers (../shared/ANCHORS.md): Hk=16 q/k heads, Hv=48 value heads,
+Shapes of Qwen3.5/3.6 GDN layers: Hk=16 q/k heads, Hv=48 value heads,
 K=V=128, bf16, ``use_qk_l2norm_in_kernel=True``, no initial state, no final state (training).
 
 Model FLOPs of the chunked forward, per value head and token, with chunk BT=64:
@@ -276,8 +276,15 @@ if __name__ == "__main__":
     if "--decode-worker" in sys.argv:
         decode_worker(sys.argv[sys.argv.index("--decode-worker") + 1], quick)
     elif "--decode" in sys.argv:
-        for r in decode_rows(quick):
+        rows = decode_rows(quick)
+        for r in rows:
             print(r)
+        if torch.cuda.is_available() and "--no-record" not in sys.argv:  # as ops.py records its rows
+            from ops import RESULTS, env_info
+            with open(RESULTS, "a") as f:
+                for r in rows:
+                    f.write(json.dumps({**env_info(), **r}) + "\n")
+            print(f"appended {len(rows)} rows to {RESULTS}")
     else:
         for r in run("cuda" if torch.cuda.is_available() else "cpu", quick=quick):
             print(r)

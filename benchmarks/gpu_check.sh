@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One batched GPU session: peers from .peers/ (see ../shared/peers/README.md), the test suite on CUDA
+# One batched GPU run: peers from .peers/ (wheels copied into that ignored folder), the test suite on CUDA
 # (gpu-marked tests included), then the op benchmarks. Logs go to $OUT when set.
 # Usage: bash benchmarks/gpu_check.sh "<pytest paths/args>" "<benchmarks/ops.py args>"
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A whole GPU session in one command (device time is scarce). Stages, in this order:
+# A whole GPU run in one command (device time is scarce). Stages, in this order:
 #   ext    build the CUDA extension in the background (setup.py build_ext --inplace)
 #   tests  the test suite on CUDA (pytest-xdist, a time limit per test)      } these two run
 #   train  a short trainer run on the embedded default, then trainer.eval   } side by side

@@ -1,7 +1,9 @@
-"""Op benchmarks against the peers, in one run: ``python benchmarks/ops.py [conv|attention|gdn|overhead|all]``.
+"""Op benchmarks against the peers, in one run:
+``python benchmarks/ops.py [conv|attention|gdn|linear_ce|overhead|all]``.
 
-On a CUDA machine every op is timed at the shapes of ../shared/ANCHORS.md next to its peers
-(causal-conv1d, fla, torch.compile(flex_attention)) measured in the same run, with
+On a CUDA machine every op is timed at the shapes of the DFlash training step (Qwen3.5-class targets)
+next to its peers (causal-conv1d, fla, torch.compile(flex_attention), Liger Kernel, Cut
+Cross-Entropy) measured in the same run, with
 ``triton.testing.do_bench`` medians, and the rows are appended to ``benchmarks/results/ops.jsonl``
 with the GPU name, torch / triton versions and the date. On a CPU-only machine it runs tiny shapes
 through the interpreter/reference backends to show the job works, says so, and records nothing.

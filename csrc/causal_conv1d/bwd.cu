@@ -194,7 +194,7 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
 // the W - 1 inputs and output gradients after from the lane above (lane 31 loads the words after).
 // A row's dweight / dbias sums stay in one warp (shuffle tree, no shared memory, no barrier), one
 // partial row per block as in the other kernels. Measured faster on the H200 than one row per block
-// with every lane loading its neighbours' words (benchmarks/experiments/conv_cuda_variants.cu,
+// with every lane loading its neighbours' words (a stand-alone study program kept in the git history,
 // results in benchmarks/results/README.md).
 constexpr int kBwdCols = 2;
 constexpr int kBwdSteps = 4;

@@ -98,7 +98,7 @@ fwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
 // loads the word before its own (an L1/L2 hit: the neighbouring warp's). The grid runs a row's tile
 // groups fastest, so resident blocks stream one contiguous stretch of memory, as a copy does.
 // THREADS, C and ITER were chosen by timing the variants on the H200 (bf16, W=4, SiLU;
-// benchmarks/experiments/conv_fwd_study6.cu, results in benchmarks/results/README.md): this shape
+// a stand-alone study program kept in the git history; results in benchmarks/results/README.md): this shape
 // runs closest to cudaMemcpy across batch sizes. SILU is a template argument, as in those variants.
 template <typename T, int W, int THREADS, int C, int ITER, bool SILU>
 __global__ void __launch_bounds__(THREADS)
