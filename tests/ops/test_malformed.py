@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import dflash_kernels as dk
 from dflash_kernels.ops.attention import (block_sparse_attention, causal_block_mask, dflash_block_mask)
 from dflash_kernels.ops.attention import checks as attention_checks
 from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -303,3 +304,21 @@ def test_linear_cross_entropy_empty_batch(reduction):
         assert loss.shape == () and loss.item() == 0.0 and not math.isnan(loss.item())
     loss.sum().backward()
     assert torch.equal(a["weight"].grad, torch.zeros_like(a["weight"]))
+
+
+# ------------------------------------------------------------------------------------- causal conv1d
+@pytest.mark.parametrize("x,weight,match", [
+    (torch.randn(1, 0, 8), torch.randn(0, 4), r"x: the channel dimension D is empty"),
+    (torch.empty(1, 1, 1).expand(1, 2 ** 16, 2 ** 15), torch.randn(2 ** 16, 4), r"x: D \* T = 2147483648"),
+    (torch.empty(1, 4, 8).expand(65536, 4, 8), torch.randn(4, 4), r"x: batch size B=65536"),
+], ids=["D=0", "int32-offsets", "grid"])
+def test_conv1d_sizes_the_kernels_cannot_index(x, weight, match):
+    with pytest.raises(ValueError, match=match):
+        dk.causal_conv1d(x, weight, activation="silu")
+
+
+def test_conv1d_update_batch_beyond_the_grid():
+    x = torch.empty(1, 4).expand(65536, 4)
+    state = torch.zeros(65536, 4, 3)
+    with pytest.raises(ValueError, match=r"x: batch size B=65536"):
+        dk.causal_conv1d_update(x, state, torch.randn(4, 4), activation="silu")

@@ -40,6 +40,7 @@ def check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states) ->
             and isinstance(weight, torch.Tensor) and (activation is None or activation == "silu")):
         xs, ws = x.shape, weight.shape
         if (len(xs) == 3 and len(ws) == 2 and ws[0] == xs[1] and 2 <= ws[1] <= 4 and xs[2] > 0
+                and 0 < xs[1] * xs[2] < _INT32 and xs[0] <= _MAX_GRID
                 and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES):
             dev = x.device
             if weight.device == dev and (bias is None or (
@@ -65,7 +66,24 @@ def _check_conv1d_inputs_all(x, weight, bias, activation, seq_idx, initial_state
     check_same_device(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states)
     if T == 0:
         raise ValueError(f"x: the time dimension is empty, shape {tuple(x.shape)}")
+    _check_sizes(B, D, T)
     return silu
+
+
+# The kernels index within one batch row in int32 (d * stride + t * stride < D * T) and put the batch
+# on a grid axis that CUDA caps at 65535 programs.
+_INT32 = 2 ** 31
+_MAX_GRID = 65535
+
+
+def _check_sizes(B, D, T):
+    if D == 0:
+        raise ValueError(f"x: the channel dimension D is empty, shape [B={B}, D=0, T={T}]")
+    if D * T >= _INT32:
+        raise ValueError(f"x: D * T = {D * T} elements per batch row overflow the kernels' int32 offsets "
+                         f"(at most {_INT32 - 1}); split the channels or the sequence")
+    if B > _MAX_GRID:
+        raise ValueError(f"x: batch size B={B} exceeds the kernels' grid limit of {_MAX_GRID}; split the batch")
 
 
 def _check_index_vector(name, t, B):
@@ -107,6 +125,7 @@ def check_conv1d_update_inputs(x, conv_state, weight, bias, activation, cache_se
         raise ValueError(f"conv_state: updated in place, so its elements must not share memory; got a view "
                          f"with shape {tuple(conv_state.shape)} and strides {conv_state.stride()} "
                          f"(expanded or overlapping): pass a tensor of its own, e.g. conv_state.clone()")
+    _check_sizes(B, D, x.shape[2] if x.dim() == 3 else 1)
     _check_index_vector("cache_seqlens", cache_seqlens, B)
     _check_index_vector("conv_state_indices", conv_state_indices, B)
     check_same_device(x=x, conv_state=conv_state, weight=weight, bias=bias, cache_seqlens=cache_seqlens,
