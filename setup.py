@@ -128,7 +128,8 @@ if __name__ == "__main__":
     setup(
         name="dflash_kernels",
         version="0.1.0",
-        description="Block-sparse attention, Gated DeltaNet and causal conv1d kernels with a thread-safe runtime",
+        description=("Block-sparse attention, Gated DeltaNet, causal conv1d, fused LM-head cross-entropy and fused "
+                     "norm/RoPE/SwiGLU kernels with a thread-safe runtime"),
         packages=find_packages(include=["dflash_kernels", "dflash_kernels.*"]),
         python_requires=">=3.10",
         install_requires=["torch>=2.5", "triton>=3.4"],
@@ -137,7 +138,8 @@ if __name__ == "__main__":
             "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5"],
             # The trainer and benchmarks/tok_s.py: HF models, tokenizers, safetensors.
             "train": ["transformers>=5"],
-            "peers": ["flash-linear-attention>=0.6", "causal-conv1d>=1.5"],
+            "peers": ["flash-linear-attention>=0.6", "causal-conv1d>=1.5", "liger-kernel>=0.8",
+                      "cut-cross-entropy>=25.1"],
         },
         **extension_kwargs(os.environ),
     )
