@@ -20,7 +20,8 @@ import threading
 from dflash_kernels.runtime import settings
 from dflash_kernels.runtime.errors import BackendUnavailable
 
-__all__ = ["Op", "bucket", "register_op", "set_backend", "get_backend", "resolve", "backends", "BUILTIN"]
+__all__ = ["Op", "bucket", "configured", "register_op", "set_backend", "get_backend", "resolve", "backends",
+           "BUILTIN"]
 
 BUILTIN = ("auto", "triton", "interpret", "reference")
 
@@ -75,6 +76,20 @@ def get_backend(op: str) -> str:
     if op not in _ops:
         raise ValueError(f"op: unknown op {op!r}; known ops: {sorted(_ops)}")
     return _chosen.get(op) or _env_choice(op) or "auto"
+
+
+_configured_memo = {}  # (op, set_backend override, DFLASH_KERNELS_BACKEND) -> get_backend(op)
+
+
+def configured(op: str) -> str:
+    """:func:`get_backend`, memoized on everything it reads (the :func:`set_backend` override and
+    ``DFLASH_KERNELS_BACKEND``): the per-call form for hot paths, which must not parse the environment
+    on every call."""
+    key = (op, _chosen.get(op), os.environ.get("DFLASH_KERNELS_BACKEND"))
+    name = _configured_memo.get(key)
+    if name is None:
+        name = _configured_memo[key] = get_backend(op)
+    return name
 
 
 def _peer_available(module: str) -> bool:
@@ -175,6 +190,7 @@ class Op:
         self.name = name
         self.label = _label or name
         self._impls = {}
+        self._memo = {}  # (device type, backend setting) -> implementation; read without a lock
         if _label is None:
             register_op(name, peers=peers, extra=extra)
 
@@ -191,6 +207,7 @@ class Op:
         def register(fn):
             for n in names:
                 self._impls[n] = fn
+            self._memo.clear()
             return fn
         return register
 
@@ -198,10 +215,20 @@ class Op:
         """The backend that runs this op for inputs on ``device``."""
         return resolve(self.name, device)
 
-    def __call__(self, device, *args, **kwargs):
-        name = resolve(self.name, device)
-        fn = self._impls.get(name)
+    def implementation(self, device):
+        """The function that runs this op's call for inputs on ``device``. Resolved once per (device
+        type, backend setting) and remembered, since the host path of a call is as long as a small
+        input's kernel; a backend that cannot run raises on every call and is never remembered."""
+        key = (device.type, configured(self.name))
+        fn = self._memo.get(key)
         if fn is None:
-            raise BackendUnavailable(f"{self.label}: backend {name!r} has no implementation of this function; "
-                                     f"implemented: {sorted(self._impls)}")
-        return fn(*args, **kwargs)
+            name = resolve(self.name, device)
+            fn = self._impls.get(name)
+            if fn is None:
+                raise BackendUnavailable(f"{self.label}: backend {name!r} has no implementation of this "
+                                         f"function; implemented: {sorted(self._impls)}")
+            self._memo[key] = fn
+        return fn
+
+    def __call__(self, device, *args, **kwargs):
+        return self.implementation(device)(*args, **kwargs)

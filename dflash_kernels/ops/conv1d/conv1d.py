@@ -11,7 +11,6 @@
   the configured backend's implementation.
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -21,7 +20,7 @@ from dflash_kernels.ops.conv1d import cuda
 from dflash_kernels.ops.conv1d.checks import check_conv1d_inputs, check_conv1d_update_inputs, is_channel_last
 from dflash_kernels.ops.conv1d.kernels import (BWD_CHUNK, BWD_CHUNK_MIN, conv1d_bwd_kernel, conv1d_fwd_kernel,
                                                conv1d_update_kernel)
-from dflash_kernels.runtime import Choice, Op, alloc, backends, bucket, get_backend, register_precompile, settings
+from dflash_kernels.runtime import Choice, Op, alloc, backends, bucket, register_precompile, settings
 from dflash_kernels.runtime.autograd import differentiable_op
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd",
@@ -37,36 +36,6 @@ _conv_update = _conv.function("causal_conv1d_update")
 # choice finds the faster per bucket, and untimed, the path without a slow layout is the safe one.
 _impl_choice = Choice("conv1d_impl", default="triton", label="conv1d CUDA-vs-Triton choice",
                       version=cuda.source_hash)
-
-
-# The host path of a call is a few microseconds of Python on top of the launch, as much as a small
-# input's kernel: the configured backend and the implementation it runs are resolved once per
-# setting and cached, keyed on everything resolution reads (the process-wide override of
-# ``set_backend``, DFLASH_KERNELS_BACKEND, the input's device type; TRITON_INTERPRET counts only when
-# set before the import, as the runtime documents), instead of parsing the environment twice per call.
-_ENV = os.environ
-_configured_memo = {}  # (override, DFLASH_KERNELS_BACKEND) -> get_backend(OP)
-_dispatch_memo = {}  # (function, device type, configured backend) -> implementation
-
-
-def _configured() -> str:
-    """``get_backend(OP)``, memoized on what it reads."""
-    key = (backends._chosen.get(OP), _ENV.get("DFLASH_KERNELS_BACKEND"))
-    name = _configured_memo.get(key)
-    if name is None:
-        name = _configured_memo[key] = get_backend(OP)
-    return name
-
-
-def _implementation(op: Op, impls: dict, device: torch.device):
-    """The implementation ``op(device, ...)`` would call, memoized per setting; a backend that cannot
-    run is resolved (and raises ``BackendUnavailable`` with the reason) on every call, never cached."""
-    key = (op.label, device.type, _configured())
-    fn = _dispatch_memo.get(key)
-    if fn is None:
-        fn = impls[op.backend(device)]
-        _dispatch_memo[key] = fn
-    return fn
 
 
 def _with_unit_stride(t: torch.Tensor, channel_last: bool) -> torch.Tensor:
@@ -103,7 +72,7 @@ def _run(kind: str, run_triton, run_cuda, args: tuple):
     """Run launcher ``kind`` (``fwd`` / ``bwd`` / ``update``) with ``args`` on the implementation that
     the conv's backend setting picks (module docstring). Forced ``cuda`` without the extension is a
     clear :class:`BackendUnavailable` from the CUDA launcher, never a silent Triton run."""
-    backend = _configured()
+    backend = backends.configured(OP)
     if backend == "cuda":
         return run_cuda(*args)
     if backend != "auto" or not cuda.available():
@@ -381,8 +350,7 @@ def causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, initial_s
         weight, bias and initial_states.
     """
     check_conv1d_inputs(x, weight, bias, activation, seq_idx, initial_states)
-    return _implementation(_conv, _CONV_IMPLS, x.device)(x, weight, bias, activation, seq_idx, initial_states,
-                                                           return_final_states)
+    return _conv(x.device, x, weight, bias, activation, seq_idx, initial_states, return_final_states)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
@@ -407,14 +375,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cach
         y with x's shape and dtype.
     """
     check_conv1d_update_inputs(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
-    return _implementation(_conv_update, _UPDATE_IMPLS, x.device)(x, conv_state, weight, bias, activation,
-                                                                  cache_seqlens, conv_state_indices)
-
-
-_CONV_IMPLS = {"triton": _conv_kernels, "interpret": _conv_kernels, "cuda": _conv_kernels,
-               "reference": _conv_reference, "causal_conv1d": _conv_peer}
-_UPDATE_IMPLS = {"triton": _update_kernels, "interpret": _update_kernels, "cuda": _update_kernels,
-                 "reference": _update_reference, "causal_conv1d": _update_peer}
+    return _conv_update(x.device, x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
 @register_precompile(OP)
