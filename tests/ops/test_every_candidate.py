@@ -1,0 +1,319 @@
+"""Every tuning candidate of every Triton kernel, forced alone, against the fp32 reference (GPU only).
+
+The tuner may pick any candidate of a kernel's ``configs`` on some shape, and with tuning off the first
+runs; so each one must be right. For each ``TritonKernel`` of each op (found by walking the ops'
+``kernels*.py`` modules, ``ByPrecision`` pairs included: ``.default`` for bf16 / fp16, ``.fp32`` for
+fp32), each config index and two sizes (a real one and an odd one), the test makes that config the
+kernel's only candidate, runs the public op that launches the kernel (forward, and backward through
+``torch.autograd.grad`` over every differentiable input) in the dtype the list serves, and compares
+every output and gradient with the op's ``naive_*`` reference by relative error and worst-row error.
+A candidate that faults or is wrong fails; one that needs more shared memory or registers than this
+GPU has is skipped with the reason (with a single config the launcher has nothing else to fall back to,
+so it raises ``OutOfResources``). The test also asserts the kernel was launched, so a driver that no
+longer reaches its kernel cannot pass. A kernel added later is found automatically and fails
+``test_every_kernel_has_a_driver`` until a driver for it is added to ``DRIVERS``.
+
+Run on a GPU:   python -m pytest tests/ops/test_every_candidate.py -q
+Tuning mode of the whole GPU suite: ``--tuning on|off|default`` (tests/ops/conftest.py).
+"""
+
+import importlib
+import pkgutil
+
+import pytest
+import torch
+from triton.runtime.errors import OutOfResources
+
+import dflash_kernels.ops as ops_pkg
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import ByPrecision
+from dflash_kernels.runtime import TritonKernel
+from tests.helpers import rel_err, worst_row_err
+
+pytestmark = pytest.mark.gpu
+
+
+# ------------------------------------------------------------------------------------------ discovery
+def _kernel_modules():
+    """Every ``dflash_kernels.ops.<op>.kernels*`` module."""
+    mods = []
+    for op in pkgutil.iter_modules(ops_pkg.__path__):
+        if not op.ispkg:
+            continue
+        pkg = importlib.import_module(f"{ops_pkg.__name__}.{op.name}")
+        for m in pkgutil.iter_modules(pkg.__path__):
+            if m.name.startswith("kernels"):
+                mods.append(importlib.import_module(f"{pkg.__name__}.{m.name}"))
+    return mods
+
+
+def discover_kernels():
+    """``{runtime name: TritonKernel}`` of every kernel defined in the ops' kernel modules."""
+    found = {}
+    for mod in _kernel_modules():
+        for value in vars(mod).values():
+            members = [value] if isinstance(value, TritonKernel) else (
+                [value.default, value.fp32] if isinstance(value, ByPrecision) else [])
+            for k in members:
+                assert found.get(k.name, k) is k, f"two kernels named {k.name!r}"
+                found[k.name] = k
+    return found
+
+
+KERNELS = discover_kernels()
+assert KERNELS, "no TritonKernel found in dflash_kernels/ops/*/kernels*.py"
+
+# Names the discovery must find (a kernel renamed or no longer found by the walk fails the test below).
+KNOWN = {
+    "block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv", "block_sparse_attn_bwd_pre",
+    "mask_rev_count", "mask_rev_fill",
+    "causal_conv1d_fwd", "causal_conv1d_bwd", "causal_conv1d_update",
+    "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
+    "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
+    "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
+    "linear_ce_rows",
+    "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
+    "rope", "swiglu_fwd", "swiglu_bwd",
+}
+
+
+def _dtype_of(name):
+    return torch.float32 if name.endswith("_fp32") else torch.bfloat16
+
+
+def _check(name, got, ref, tol, row_tol, row_dims=(-1,)):
+    """``got`` against the fp32 ``ref``: whole-tensor and worst-row relative error."""
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    err = rel_err(got, ref)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+    if got.dim() > 1 and got.numel():
+        row = worst_row_err(got, ref, row_dims=row_dims)
+        assert row <= row_tol, f"{name}: worst row relative error {row:.3g} > {row_tol:.3g}"
+
+
+def _grads(out, leaves, go):
+    return torch.autograd.grad(out, leaves, go)
+
+
+# -------------------------------------------------------------------------------------------- drivers
+# Each driver runs the public op at one size ("real" or "odd") in ``dtype`` and checks it; the op's own
+# test module gives the inputs and the tolerances.
+
+def _attention(size, dtype):
+    from dflash_kernels.ops.attention import dflash_block_mask
+    from tests.ops.test_attention import check_against_reference, dflash_dense_mask, make_qkv
+
+    B, S, N, Hq, Hkv, window = (1, 2048, 128, 8, 2, None) if size == "real" else (1, 1001, 37, 6, 2, 333)
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.randint(0, S, (B, N), generator=g)
+    anchors[0, 0], anchors[0, -1] = 0, S - 1
+    valid = torch.ones(B, N, dtype=torch.bool)
+    valid[0, -2] = False
+    anchors, valid = anchors.cuda(), valid.cuda()
+    mask = dflash_block_mask(anchors, S, 16, window=window, valid=valid)  # launches the mask kernels
+    dense = dflash_dense_mask(anchors, S, 16, window=window, valid=valid)
+    q, k, v, do = make_qkv(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype)
+    check_against_reference(q, k, v, do, mask, dtype, dense=dense)
+
+
+def _conv1d(size, dtype):
+    from tests.ops.test_conv1d import _inputs, _run_both, _tol
+
+    B, D, T = (1, 2560, 4096) if size == "real" else (2, 1000, 3001)
+    tol = _tol(dtype)
+    for channel_last in (False, True):
+        x, weight, b, seq, init = _inputs(B, D, T, 4, dtype, channel_last=channel_last, init=True, seq=True)
+        outs_k, outs_r, kern, ref = _run_both(x, weight, b, seq, init, "silu", final=True)
+        # Rows: one channel over time ([B, D, T] tensors); rounding of a short row does not average out.
+        pairs = [("y", outs_k[0], outs_r[0]), ("final_states", outs_k[1], outs_r[1])]
+        pairs += [(n, k_.grad, r.grad.to(dtype)) for n, k_, r in
+                  zip(["dx", "dweight", "dbias", "dinitial_states"], kern, ref)]
+        for name, got, want in pairs:
+            assert got.dtype == dtype, name
+            _check(f"{name} (channel_last={channel_last})", got, want.float(), tol, 4 * tol)
+
+
+def _conv1d_update(size, dtype):
+    import dflash_kernels as dk
+    from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d_update
+    from tests.ops.test_conv1d import _tol
+
+    B, D, L, S = (64, 2560, 1, 3) if size == "real" else (3, 1001, 5, 6)
+    x = torch.randn(B, D, L, device="cuda", dtype=dtype)
+    state = torch.randn(B, D, S, device="cuda", dtype=dtype)
+    weight = torch.randn(D, 4, device="cuda", dtype=dtype) / 4
+    bias = torch.randn(D, device="cuda", dtype=dtype)
+    state_ref = state.clone()
+    y = dk.causal_conv1d_update(x, state, weight, bias, "silu")
+    y_ref = naive_causal_conv1d_update(x, state_ref, weight, bias, "silu")
+    _check("y", y.float(), y_ref.float(), _tol(dtype), 4 * _tol(dtype))
+    assert torch.equal(state, state_ref), "conv_state after the update"
+
+
+def _gdn_chunk(size, dtype):
+    from tests.ops.test_gated_delta_rule import _compare, _inputs
+
+    shape = (1, 1024, 4, 8, 128, 128) if size == "real" else (2, 333, 2, 6, 128, 128)
+    _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
+
+
+def _gdn_recurrent(size, dtype):
+    from dflash_kernels.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+    from tests.ops.test_gated_delta_rule import _inputs
+
+    # The decode step (forward only: the recurrent op has no backward): one token of many sequences,
+    # then a short odd-length prefix with GQA.
+    B, T, Hk, Hv = (64, 1, 16, 32) if size == "real" else (3, 7, 2, 6)
+    q, k, v, g, beta, h0 = _inputs(B, T, Hk, Hv, 128, 128, dtype, h0=True)
+    kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    assert o.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # as test_fused_recurrent
+    _check("o", o, ro.to(dtype), tol, 4 * tol)
+    _check("final_state", ht, rht, tol, 4 * tol)
+
+
+def _linear_cross_entropy(size, dtype):
+    from tests.ops.test_linear_cross_entropy import _check_all, _inputs, _run
+
+    n, h, v = (4096, 2048, 32768) if size == "real" else (1001, 1000, 10007)
+    hidden, weight, bias, labels, w = _inputs(n, h, v, dtype)
+    for reduction in ("mean", "none"):
+        out, ref, go, gr, _ = _run(hidden, weight, bias, labels, w, reduction=reduction)
+        _check_all(out, ref, go, gr, dtype, ["dhidden", "dweight", "dbias"])
+        # tests.helpers' worst row too (the op test's own row measure floors at the rms row norm)
+        row_tol = {torch.float32: 1e-4, torch.bfloat16: 8e-2, torch.float16: 1.5e-2}[dtype]
+        for name, g_, r in zip(["dhidden", "dweight"], go, gr):
+            row = worst_row_err(g_, r.to(g_.dtype))
+            assert row <= row_tol, f"{name}: worst row relative error {row:.3g} > {row_tol:.3g}"
+
+
+def _rms_norm(narrow):
+    def run(size, dtype):
+        from tests.ops.test_rms_norm import TOL
+        from dflash_kernels.ops.rms_norm import naive_rms_norm, rms_norm
+
+        if narrow:
+            shape = (8192 * 8, 128) if size == "real" else (3 * 4099, 8, 256)
+        else:
+            shape = (8192, 2560) if size == "real" else (3001, 1000)
+        x = (torch.randn(shape, device="cuda") * 2).to(dtype)
+        w = (torch.randn(shape[-1], device="cuda") * 0.2 + 1.0).to(dtype)
+        xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
+        y, yr = rms_norm(xo, wo, 1e-6), naive_rms_norm(xr, wr, 1e-6)
+        go = torch.randn(y.shape, device="cuda").to(dtype)
+        dx, dw = _grads(y, (xo, wo), go)
+        dxr, dwr = _grads(yr, (xr, wr), go.float())
+        tol, row_tol = TOL[dtype]
+        assert y.dtype == dx.dtype == dw.dtype == dtype
+        _check("y", y, yr.to(dtype), tol, row_tol)
+        _check("dx", dx, dxr, tol, row_tol)
+        _check("dweight", dw, dwr, 2 * tol, 2 * row_tol)  # one row: a reduction over every row of x
+    return run
+
+
+def _rope(size, dtype):
+    from dflash_kernels.ops.rope import apply_rope, naive_apply_rope
+    from tests.ops.test_rope import TOL, cos_sin
+
+    (B, T, H, D), R = ((1, 4096, 32, 128), 128) if size == "real" else ((2, 1001, 6, 256), 64)
+    x = torch.randn(B, T, H, D, device="cuda").to(dtype)
+    cos, sin = cos_sin(B, T, R, theta=1e6, dev=torch.device("cuda"))
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    xo, xr = x.clone().requires_grad_(), x.float().requires_grad_()
+    y, yr = apply_rope(xo, cos, sin), naive_apply_rope(xr, cos, sin)
+    go = torch.randn(y.shape, device="cuda").to(dtype)
+    (dx,), (dxr,) = _grads(y, (xo,), go), _grads(yr, (xr,), go.float())
+    tol, row_tol = TOL[dtype]
+    assert y.dtype == dx.dtype == dtype
+    _check("y", y, yr.to(dtype), tol, row_tol)
+    _check("dx", dx, dxr, tol, row_tol)
+
+
+def _swiglu(size, dtype):
+    from dflash_kernels.ops.swiglu import naive_swiglu, swiglu
+    from tests.ops.test_swiglu import TOL
+
+    shape = (4096, 9216) if size == "real" else (3001, 9217)
+    gate = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    up = torch.randn(shape, device="cuda").to(dtype)
+    go_, uo = gate.clone().requires_grad_(), up.clone().requires_grad_()
+    gr, ur = gate.float().requires_grad_(), up.float().requires_grad_()
+    y, yr = swiglu(go_, uo), naive_swiglu(gr, ur)
+    dy = torch.randn(y.shape, device="cuda").to(dtype)
+    dg, du = _grads(y, (go_, uo), dy)
+    dgr, dur = _grads(yr, (gr, ur), dy.float())
+    tol, row_tol = TOL[dtype]
+    assert y.dtype == dg.dtype == du.dtype == dtype
+    _check("y", y, yr.to(dtype), tol, row_tol)
+    _check("dgate", dg, dgr, tol, row_tol)
+    _check("dup", du, dur, tol, row_tol)
+
+
+_GDN_CHUNK = ["gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state",
+              "gdn_bwd_local"]
+# runtime name -> the driver that launches that kernel
+DRIVERS = {
+    **{n: _attention for n in ("block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv",
+                               "block_sparse_attn_bwd_pre", "mask_rev_count", "mask_rev_fill")},
+    "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
+    **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK] + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},
+    "gdn_recurrent": _gdn_recurrent,
+    "linear_ce_rows": _linear_cross_entropy,
+    "rms_norm_fwd_narrow": _rms_norm(True), "rms_norm_bwd_narrow": _rms_norm(True),
+    "rms_norm_fwd_wide": _rms_norm(False), "rms_norm_bwd_wide": _rms_norm(False),
+    "rope": _rope, "swiglu_fwd": _swiglu, "swiglu_bwd": _swiglu,
+}
+
+SIZES = ("real", "odd")
+CASES = [pytest.param(name, i, size, id=f"{name}[{i}]-{size}")
+         for name, k in sorted(KERNELS.items()) for i in range(len(k.configs)) for size in SIZES]
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_discovery_finds_every_known_kernel():
+    missing = KNOWN - set(KERNELS)
+    assert not missing, f"kernels not found by walking dflash_kernels/ops/*/kernels*.py: {sorted(missing)}"
+
+
+def test_every_kernel_has_a_driver():
+    missing = set(KERNELS) - set(DRIVERS)
+    assert not missing, f"kernels without a driver in DRIVERS (add one): {sorted(missing)}"
+
+
+def _out_of_resources(e):
+    while e is not None:
+        if isinstance(e, OutOfResources):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@pytest.mark.parametrize("name,index,size", CASES)
+def test_candidate(monkeypatch, name, index, size):
+    """Config ``index`` of kernel ``name`` as its only candidate: outputs and gradients at ``size``."""
+    kernel = KERNELS[name]
+    driver = DRIVERS.get(name)
+    if driver is None:
+        pytest.fail(f"{name}: no driver in DRIVERS")
+    config = kernel.configs[index]
+    # Untimed: the conv's CUDA-vs-Triton choice takes Triton (its default), so the Triton kernel runs.
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
+    monkeypatch.setattr(kernel, "configs", [config])
+    kernel.reset()
+    try:
+        try:
+            driver(size, _dtype_of(name))
+            torch.cuda.synchronize()  # a fault surfaces here, in this test
+        except Exception as e:
+            oor = _out_of_resources(e)
+            if oor is None:
+                raise
+            pytest.skip(f"{name} {config} does not fit this GPU ({torch.cuda.get_device_name()}): {oor}")
+        used = [v["config"] for v in kernel.cache_info().values()]
+        assert used, f"{name}: the driver did not launch the kernel"
+        assert all(c == config.as_dict() for c in used), f"{name}: ran {used}, not {config}"
+    finally:
+        kernel.reset()
