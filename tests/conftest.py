@@ -1,4 +1,14 @@
-"""Shared test settings: fixed seeds, a private tuning cache, the ``gpu`` marker."""
+"""Shared test settings: fixed seeds, a private tuning cache, the ``gpu`` marker, the tuning mode.
+
+``--tuning {off,on,default}`` sets the GPU suite's tuning: ``on`` times every kernel's candidates
+(``DFLASH_KERNELS_TUNE=1``: the configs the tuner picks for the tests' shapes run), ``off`` takes each
+kernel's first config untimed (``DFLASH_KERNELS_TUNE=0``; the conv's CUDA-vs-Triton choice takes
+Triton), ``default`` leaves the environment as it is. The runtime reads the variable at every compile,
+so setting it before the tests run takes effect. ``tests/ops/test_every_candidate.py`` forces every
+candidate of every kernel in turn.
+
+    python -m pytest tests --tuning on
+"""
 
 import os
 import tempfile
@@ -12,8 +22,25 @@ os.environ.setdefault("DFLASH_KERNELS_CACHE_DIR", tempfile.mkdtemp(prefix="dflas
 os.environ.setdefault("DFLASH_KERNELS_POISON", "1")
 
 
+_TUNING = {"on": "1", "off": "0"}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tuning", choices=("off", "on", "default"), default="default",
+                     help="GPU kernels: time every candidate (on), take each kernel's first config (off), or "
+                          "leave DFLASH_KERNELS_TUNE as it is (default)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (real sizes); skipped elsewhere")
+    mode = config.getoption("--tuning")
+    if mode in _TUNING:
+        os.environ["DFLASH_KERNELS_TUNE"] = _TUNING[mode]
+
+
+def pytest_report_header(config):
+    return (f"dflash_kernels tuning: --tuning {config.getoption('--tuning')} "
+            f"(DFLASH_KERNELS_TUNE={os.environ.get('DFLASH_KERNELS_TUNE', 'unset')})")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,8 +13,8 @@ so it raises ``OutOfResources``). The test also asserts the kernel was launched,
 longer reaches its kernel cannot pass. A kernel added later is found automatically and fails
 ``test_every_kernel_has_a_driver`` until a driver for it is added to ``DRIVERS``.
 
-Run on a GPU:   python -m pytest tests/ops/test_every_candidate.py -q
-Tuning mode of the whole GPU suite: ``--tuning on|off|default`` (tests/ops/conftest.py).
+Run on a GPU:   python -m pytest tests/ops/test_every_candidate.py -q  (the two discovery tests also run on a CPU)
+Tuning mode of the whole GPU suite: ``--tuning on|off|default`` (tests/conftest.py).
 """
 
 import importlib
@@ -28,8 +28,6 @@ import dflash_kernels.ops as ops_pkg
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import ByPrecision
 from dflash_kernels.runtime import TritonKernel
 from tests.helpers import rel_err, worst_row_err
-
-pytestmark = pytest.mark.gpu
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -291,6 +289,7 @@ def _out_of_resources(e):
     return None
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("name,index,size", CASES)
 def test_candidate(monkeypatch, name, index, size):
     """Config ``index`` of kernel ``name`` as its only candidate: outputs and gradients at ``size``."""
