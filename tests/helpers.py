@@ -72,3 +72,39 @@ print(json.dumps([compile_resources(fn, types, {**consts, **extra}, nw, ns, mach
 
 
 H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB), as Triton reports the H200's limit (sm90_resources.py)
+
+
+def require_triton_kernels(op: str) -> None:
+    """Fail (not skip) unless ``op`` runs its Triton kernels here: the interpreter on a CPU, compiled on
+    a GPU. Tests of a kernel that quietly ran the reference would prove nothing."""
+    import pytest
+
+    from dflash_kernels.runtime import resolve
+
+    backend = resolve(op, device())
+    if backend not in ("interpret", "triton"):
+        pytest.fail(f"{op} tests need the Triton kernels (interpreter on the CPU), got {backend!r}; "
+                    f"run with TRITON_INTERPRET=1")
+
+
+def worst_row_err_rms(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest relative error of one last-dim row, each row's norm floored at the RMS of all row
+    norms (rows near 0 keep rounding residuals large relative to themselves, not to the tensor); NaN
+    anywhere gives inf."""
+    g = got.detach().double().reshape(-1, got.shape[-1])
+    r = ref.detach().double().reshape(-1, ref.shape[-1])
+    if torch.isnan(g).any() or torch.isnan(r).any():
+        return float("inf")
+    rn = r.norm(dim=1)
+    floor = rn.square().mean().sqrt().clamp_min(1e-30)
+    return ((g - r).norm(dim=1) / torch.maximum(rn, floor)).max().item()
+
+
+def check_close(name: str, got: torch.Tensor, ref: torch.Tensor, tol: float, row_tol: float) -> None:
+    """Shape, whole-tensor relative error <= ``tol`` and (rank > 1) worst-row error <= ``row_tol``."""
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    err = rel_err(got, ref)
+    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
+    if got.dim() > 1:
+        werr = worst_row_err_rms(got, ref)
+        assert werr <= row_tol, f"{name}: worst row relative error {werr:.3g} > {row_tol:.3g}"

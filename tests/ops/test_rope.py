@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from dflash_kernels.ops.rope import apply_rope, naive_apply_rope
-from dflash_kernels.runtime import resolve
-from tests.helpers import device, rel_err
+from tests.helpers import check_close, device, rel_err, require_triton_kernels
 
 OP = "rope"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -22,29 +21,11 @@ TOL = {torch.float32: (1e-6, 1e-6), torch.bfloat16: (6e-3, 1.2e-2), torch.float1
 
 @pytest.fixture(autouse=True)
 def _require_kernels():
-    backend = resolve(OP, device())
-    if backend not in ("interpret", "triton"):
-        pytest.fail(f"{OP} tests need the Triton kernels (interpreter on the CPU), got {backend!r}; "
-                    f"run with TRITON_INTERPRET=1")
-
-
-def worst_row_err(got, ref):
-    g = got.detach().double().reshape(-1, got.shape[-1])
-    r = ref.detach().double().reshape(-1, ref.shape[-1])
-    if torch.isnan(g).any() or torch.isnan(r).any():
-        return float("inf")
-    rn = r.norm(dim=1)
-    floor = rn.square().mean().sqrt().clamp_min(1e-30)
-    return ((g - r).norm(dim=1) / torch.maximum(rn, floor)).max().item()
+    require_triton_kernels(OP)
 
 
 def _check(name, got, ref, dtype):
-    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    tol, row_tol = TOL[dtype]
-    err = rel_err(got, ref)
-    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g}"
-    werr = worst_row_err(got, ref)
-    assert werr <= row_tol, f"{name}: worst row relative error {werr:.3g} > {row_tol:.3g}"
+    check_close(name, got, ref, *TOL[dtype])
 
 
 def cos_sin(B, T, R, positions=None, theta=10000.0, dtype=torch.float32, dev=None):
