@@ -269,13 +269,8 @@ def main():
     print()
     print_table(rows)
     if not args.no_record:
-        from ops import RESULTS, env_info
-        info = env_info()
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "a") as f:
-            for r in rows:
-                f.write(json.dumps({**info, **r}) + "\n")
-        print(f"appended {len(rows)} rows to {RESULTS}")
+        from ops import record_rows
+        record_rows(rows)
 
 
 if __name__ == "__main__":

@@ -280,11 +280,8 @@ if __name__ == "__main__":
         for r in rows:
             print(r)
         if torch.cuda.is_available() and "--no-record" not in sys.argv:  # as ops.py records its rows
-            from ops import RESULTS, env_info
-            with open(RESULTS, "a") as f:
-                for r in rows:
-                    f.write(json.dumps({**env_info(), **r}) + "\n")
-            print(f"appended {len(rows)} rows to {RESULTS}")
+            from ops import record_rows
+            record_rows(rows)
     else:
         for r in run("cuda" if torch.cuda.is_available() else "cpu", quick=quick):
             print(r)

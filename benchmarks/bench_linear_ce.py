@@ -348,13 +348,8 @@ def main():
         shapes = list(CPU_SHAPES)
     rows = run("cuda" if cuda else "cpu", args.quick, shapes=shapes, impls=impls, timeout=args.timeout)
     if cuda and not args.no_record:
-        from ops import RESULTS, env_info
-        info = env_info()
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "a") as f:
-            for r in rows:
-                f.write(json.dumps({**info, **r}) + "\n")
-        print(f"appended {len(rows)} rows to {RESULTS}")
+        from ops import record_rows
+        record_rows(rows)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,16 @@ def env_info() -> dict:
     return info
 
 
+def record_rows(rows: list, info: dict = None) -> None:
+    """Append ``rows`` to ``benchmarks/results/ops.jsonl``, each with the run's GPU, versions, date and command."""
+    info = info or env_info()
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "a") as f:
+        for r in rows:
+            f.write(json.dumps({**info, **r}) + "\n")
+    print(f"appended {len(rows)} rows to {RESULTS}")
+
+
 def copy_bandwidth_tbs() -> float:
     """Device-to-device copy, bytes read + written per second: the memory-bound ceiling."""
     a = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
@@ -463,11 +473,7 @@ def main():
         rows += bench_optional("bench_linear_ce", args.quick)
     print_rows(rows)
     if cuda and not args.no_record:
-        os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-        with open(RESULTS, "a") as f:
-            for r in rows:
-                f.write(json.dumps({**info, **r}) + "\n")
-        print(f"appended {len(rows)} rows to {RESULTS}")
+        record_rows(rows, info)
     print_conv_table(rows)
 
 
