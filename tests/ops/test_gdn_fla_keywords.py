@@ -284,7 +284,7 @@ def test_recurrent_defaults_g_and_beta():
     # fla: g None is no decay, beta None is beta = 1.
     q, k, v, *_ = _inputs(1, 5, 1, 2, 16, 16, torch.float32)
     o, ht = fused_recurrent_gated_delta_rule(q, k, v, output_final_state=True)
-    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, torch.zeros(1, 5, 2), torch.ones(1, 5, 2),
+    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, torch.zeros(1, 5, 2, device=q.device), torch.ones(1, 5, 2, device=q.device),
                                                output_final_state=True)
     assert rel_err(o, ro) <= _tol(torch.float32) and rel_err(ht, rht) <= _tol(torch.float32)
 
