@@ -27,7 +27,7 @@ from triton.runtime.errors import OutOfResources
 import dflash_kernels.ops as ops_pkg
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import ByPrecision
 from dflash_kernels.runtime import TritonKernel
-from tests.helpers import rel_err, worst_row_err
+from tests.helpers import check_close, rel_err, worst_row_err
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -127,7 +127,13 @@ def _conv1d(size, dtype):
                   zip(["dx", "dweight", "dbias", "dinitial_states"], kern, ref)]
         for name, got, want in pairs:
             assert got.dtype == dtype, name
-            _check(f"{name} (channel_last={channel_last})", got, want.float(), tol, 4 * tol)
+            if name == "dinitial_states":
+                # Rows of W-1 = 3 taps, each a short sum that can cancel to near 0 (the first sequence
+                # of a packed row may be a token or two long): the row norm is floored at the RMS of
+                # all rows' norms (tests/helpers.worst_row_err_rms), as for the fused ops.
+                check_close(f"{name} (channel_last={channel_last})", got, want.float(), tol, 4 * tol)
+            else:
+                _check(f"{name} (channel_last={channel_last})", got, want.float(), tol, 4 * tol)
 
 
 def _conv1d_update(size, dtype):
