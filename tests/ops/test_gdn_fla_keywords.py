@@ -546,16 +546,16 @@ def test_gpu_matches_fla(opts):
                      True, None, None, grad=False)
     # Ours against the fp32 reference on every (sequence, head).
     assert rel_err(o1, ro) <= 1e-2 and rel_err(h1, rh) <= 1e-5, (rel_err(o1, ro), rel_err(h1, rh))
-    # Against fla on the (sequence, head) pairs where fla's result is finite: fla 0.6.0's recurrent
-    # kernel returns NaN outputs and states for a few heads of this one-token step with an initial
-    # state on the H200 with triton 3.6.0 (also without any of these keywords), where the fp32
-    # reference is finite; those heads are counted and printed, and must stay a small minority.
-    ok = torch.isfinite(h2).flatten(2).all(-1) & torch.isfinite(o2.float()).all(-1).all(1)  # [N, Hv]
-    print(f"fla recurrent: non-finite (sequence, head) pairs {(~ok).nonzero().tolist()} of {ok.numel()}; "
-          f"reference finite there: {bool(torch.isfinite(rh[~ok]).all())}")
-    assert ok.float().mean() >= 0.9, "fla's recurrent step is non-finite on most heads: check how it is called"
-    o_ok = ok[:, None, :, None].expand_as(o1)
-    h_ok = ok[:, :, None, None].expand_as(h1)
-    assert rel_err(o1[o_ok], o2[o_ok]) <= 1e-2 and rel_err(h1[h_ok], h2[h_ok]) <= 1e-4, \
-        (rel_err(o1[o_ok], o2[o_ok]), rel_err(h1[h_ok], h2[h_ok]))
+    # Against fla where fla's own step agrees with the fp32 recurrence. On the H200 with triton 3.6.0,
+    # fla 0.6.0's compiled fused_recurrent kernel returns NaN on a few heads of this one-token step
+    # with an initial state and values far from the recurrence on the others (also without any of
+    # these keywords), while the same kernel under the Triton interpreter matches the recurrence:
+    # there the comparison with fla says nothing about ours, and the test says so instead.
+    fla_vs_ref = (rel_err(o2, ro), rel_err(h2, rh))
+    if fla_vs_ref[0] <= 1e-2 and fla_vs_ref[1] <= 1e-4:
+        assert rel_err(o1, o2) <= 1e-2 and rel_err(h1, h2) <= 1e-4, (rel_err(o1, o2), rel_err(h1, h2))
+    else:
+        bad = (~torch.isfinite(h2).flatten(2).all(-1)).nonzero().tolist()
+        print(f"fla's recurrent step disagrees with the fp32 recurrence (o, state rel {fla_vs_ref}; "
+              f"non-finite (sequence, head) pairs {bad}): ours checked against the reference only")
 
