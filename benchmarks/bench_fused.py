@@ -12,7 +12,8 @@ Cases (bf16 activations):
 - ``rope_q``: q ``[1, 8192, 32, 128]``; ``rope_k``: k ``[1, 3072 + 8192, 8, 128]``; cos / sin
   ``[1, T, 1, 128]`` bf16 (the drafter's). Eager: the drafter's ``apply_rope`` chain; Liger:
   ``liger_rope`` takes q and k together with one sequence length, so it gets the tensor timed plus a
-  one-head companion (head-major views, as transformers passes them), a few percent more work.
+  one-head companion (head-major views, as transformers passes them), a few percent more work; it
+  rotates them in place, so the output error is taken against a reference computed first.
 - ``swiglu``: gate, up ``[8192, 9216]``. Eager: ``F.silu(g) * u``; Liger: ``LigerSiLUMulFunction``.
 
 Times are ``triton.testing.do_bench`` medians (``bench_common.bench_ms``): the forward with inputs not
@@ -157,8 +158,12 @@ def measure(impl: str, cname: str) -> dict:
     extra = (c["offset"],) if c["op"] == "rms_norm" else ()
     row = {"op": c["op"], "impl": impl, "case": cname, "shape": _shape(c), "dtype": "torch.bfloat16"}
     with torch.no_grad():
+        # The reference first: Liger's RoPE rotates q and k in place (its inputs are projection
+        # outputs nobody reads again), so after the call the inputs are no longer the inputs.
+        ref = _reference(c, args)
         out = fn(*args, *extra)
-        row["out_rel_err"] = _rel(out.float(), _reference(c, args))
+        row["out_rel_err"] = _rel(out.float(), ref)
+        del ref
         row["fwd_ms"] = bench_ms(lambda: fn(*args, *extra))
     leaves = [a.detach().clone().requires_grad_(n) for a, n in zip(args, needs)]
     grads_of = [t for t in leaves if t.requires_grad]
