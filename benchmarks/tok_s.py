@@ -11,7 +11,11 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   ``create_block_mask`` BlockMask rebuilt every step (anchors change every step), the target's GDN
   on fla and its conv on causal-conv1d where those are importable (CUDA only); the loss over the
   whole logits (``F.linear`` + fp32 ``F.cross_entropy``) and torch's default (foreach) AdamW;
-- (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch.
+- (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch;
+- (f) (a) plus the library's fused ``rms_norm`` / ``apply_rope`` / ``swiglu`` in the drafter
+  (``trainer.model.FUSED_OPS``) and in the target (``use_dflash_kernels(model, elementwise=True)``,
+  undone after the group); on a CPU the same as (a) (the fused ops there would run the interpreter).
+  Not in the default ``--groups``: ask for it (``--groups a,f``) for the A/B of those ops.
 
 Each row reports tokens/s (target tokens of the batch per second of training step, the trainer's own
 definition), ms/step, the model FLOPs per step and the MFU they give against the H200's dense bf16
@@ -53,7 +57,7 @@ from peers import FlexDrafterAttention, peer_backends  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "c")
+GROUPS = ("a", "b", "c", "f")
 
 
 def parse_args(argv=None):
@@ -63,7 +67,7 @@ def parse_args(argv=None):
                    help="repeatable; default: embedded and real on a GPU, tiny on a CPU")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
-                   "b (peers), c (reference)")
+                   "b (peers), c (reference), f ((a) with the fused norm/RoPE/SwiGLU ops; not in the default)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
@@ -186,10 +190,13 @@ SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
-    if group == "a":
+    if group in ("a", "f"):
         name = "interpret" if cpu else "auto"
-        return {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
+        plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "fused"}
+        if group == "f":
+            plan.update(label="(f) (a) + fused norm/RoPE/SwiGLU", elementwise=True)
+        return plan
     if group == "c":
         return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "foreach"}
@@ -274,6 +281,26 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
 
 def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3,
               profile: int = 0, log=print) -> dict:
+    """One group's row (``_run_group``); group (f) on a GPU runs with the fused elementwise ops switched
+    on in the drafter and routed in the target for its duration only."""
+    args = (setup, group, steps, warmup, dev, dtype, reference_steps, profile, log)
+    if not group_plan(group, dev).get("elementwise") or dev.type != "cuda":
+        return _run_group(*args)
+    import trainer.model as drafter_model
+    from dflash_kernels.integrations.transformers import use_dflash_kernels
+
+    before = drafter_model.FUSED_OPS
+    drafter_model.FUSED_OPS = True
+    routing = use_dflash_kernels(setup.target.model, elementwise=True)
+    try:
+        return _run_group(*args)
+    finally:
+        routing.undo()
+        drafter_model.FUSED_OPS = before
+
+
+def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3,
+               profile: int = 0, log=print) -> dict:
     """Build a fresh drafter (same seed for every group), set the backends, time the training step."""
     import dflash_kernels as dk
     from trainer.data import batch_at
@@ -301,6 +328,7 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     flex = FlexDrafterAttention(drafter) if plan["flex"] else None
     cfg = dataclasses.replace(cfg, loss=plan["loss"])
+    row["elementwise"] = "fused" if plan.get("elementwise") and dev.type == "cuda" else "eager"
     fused_adamw = plan["adamw"] == "fused" and dev.type == "cuda"
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                             fused=fused_adamw, foreach=None if fused_adamw else dev.type == "cuda")
@@ -366,7 +394,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
     rows = []
     for g in [g.strip() for g in args.groups.split(",") if g.strip()]:
         if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b and/or c")
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, c and/or f")
         log(f"  {name} group ({g}) ...")
         try:
             row = run_group(setup, g, steps, warmup, dev, dtype, args.reference_steps, args.profile, log)

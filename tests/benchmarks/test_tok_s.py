@@ -37,6 +37,25 @@ def test_cpu_tiny_run_prints_a_table(tmp_path):
     assert c["a_over_this"] == pytest.approx(a["tok_s"] / c["tok_s"]) and a["a_over_this"] == 1.0
 
 
+def test_group_f_is_a_with_the_fused_elementwise_ops(tmp_path):
+    # (f) is (a) with the fused norm / RoPE / SwiGLU ops; on the CPU they would run the interpreter, so
+    # there (f) runs the eager chains and says so, and computes what (a) computes.
+    plan_a, plan_f = tok_s.group_plan("a", torch.device("cuda")), tok_s.group_plan("f", torch.device("cuda"))
+    assert plan_f["elementwise"] is True and "elementwise" not in plan_a
+    assert plan_f["backends"] == plan_a["backends"] and plan_f["loss"] == plan_a["loss"] == "fused"
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tok_s.py"), "--device", "cpu",
+                           "--groups", "a,f", "--steps", "1", "--warmup", "0", "--json", str(out_json)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+    recs = {r["group"]: r for r in json.loads(out_json.read_text())["rows"]}
+    a, f = recs["(a) dflash_kernels"], recs["(f) (a) + fused norm/RoPE/SwiGLU"]
+    assert a["elementwise"] == f["elementwise"] == "eager"
+    assert f["loss_step1"] == pytest.approx(a["loss_step1"], rel=1e-6)
+
+
 def test_flex_peer_matches_the_reference_attention():
     import dflash_kernels as dk
     from trainer.model import DFlashDrafter, DrafterConfig
