@@ -106,8 +106,14 @@ def plot_op(op, gpu, rows, out_dir):
     return path
 
 
+# The step's device-time categories (benchmarks/tok_s.py ``--profile``), bottom to top of a stacked bar.
+CATEGORY_ORDER = ("gemm", "attention", "gdn", "conv", "loss", "norm/rope/activation", "optimizer", "copies/casts",
+                  "other")
+
+
 def plot_tok_s(path, out_dir):
-    """tokens/s per (preset, group) of the newest session per GPU."""
+    """Per GPU, the newest session's rows: tokens/s per (preset, group) with each row's MFU, and, for
+    the rows measured with ``--profile``, a stacked bar of the step's device time per category."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -120,16 +126,24 @@ def plot_tok_s(path, out_dir):
     paths = []
     for gpu, rows in by_gpu.items():
         rows = latest_session(rows, lambda r: (r["preset"], r["group"]))
-        fig, ax = plt.subplots(figsize=(2 + 1.6 * len(rows), 4))
+        profiled = [r for r in rows if isinstance(r.get("profile_ms"), dict) and r["profile_ms"]]
+        ncols = 2 if profiled else 1
+        fig, axes = plt.subplots(1, ncols, figsize=(2 + 1.6 * len(rows) + (2 + 1.3 * len(profiled) if profiled else 0),
+                                                    4.5), squeeze=False)
+        ax = axes[0][0]
         names = [f"{r['preset']}\n{r['group']}" for r in rows]
         bars = ax.bar(range(len(rows)), [r["tok_s"] for r in rows])
         for bar, r in zip(bars, rows):
-            ax.annotate(f"{r['tok_s']:,.0f}", (bar.get_x() + bar.get_width() / 2, r["tok_s"]), ha="center",
-                        va="bottom", fontsize=7)
+            mfu = r.get("mfu")
+            text = f"{r['tok_s']:,.0f}" + (f"\nMFU {100 * mfu:.1f}%" if isinstance(mfu, (int, float)) else "")
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, r["tok_s"]), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(names, fontsize=7)
         ax.set_ylabel("drafter-training tokens/s (higher is better)")
-        ax.set_title(f"tok_s on {gpu}")
+        ax.set_title(f"tok_s on {gpu} (MFU vs 989 TFLOP/s)")
+        ax.margins(y=0.18)
+        if profiled:
+            _plot_step_breakdown(axes[0][1], profiled)
         fig.text(0.01, 0.01, f"torch {rows[0].get('torch')} | triton {rows[0].get('triton')} | {rows[-1]['date']}",
                  fontsize=7)
         fig.tight_layout(rect=(0, 0.05, 1, 1))
@@ -138,6 +152,30 @@ def plot_tok_s(path, out_dir):
         plt.close(fig)
         paths.append(out)
     return paths
+
+
+def step_breakdown(rows):
+    """``(labels, {category: [ms per row]})`` of rows with ``profile_ms``, categories in CATEGORY_ORDER
+    (then any other category a row has), zero where a row has none."""
+    cats = list(CATEGORY_ORDER) + sorted({c for r in rows for c in r["profile_ms"]} - set(CATEGORY_ORDER))
+    cats = [c for c in cats if any(r["profile_ms"].get(c) for r in rows)]
+    return ([f"{r['preset']}\n{r['group']}" for r in rows],
+            {c: [float(r["profile_ms"].get(c, 0.0)) for r in rows] for c in cats})
+
+
+def _plot_step_breakdown(ax, rows):
+    labels, per_cat = step_breakdown(rows)
+    bottom = [0.0] * len(rows)
+    for cat, values in per_cat.items():
+        ax.bar(range(len(rows)), values, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.1f} ms", (x, total), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("device ms per step (profile)")
+    ax.set_title("where a step's device time goes")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def plot_loss(path, out_dir):

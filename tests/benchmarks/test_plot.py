@@ -43,3 +43,24 @@ def test_a_session_spans_processes_and_keeps_the_newest_row_per_key(tmp_path):
     got = plot.load_latest_runs(str(path))[("conv", "H200")]
     assert [(r["impl"], r.get("backend"), r["fwd_ms"]) for r in got] == [("a", None, 1.0), ("a", "cuda", 1.5),
                                                                           ("peer", None, 2.0)]
+
+
+def test_step_breakdown_orders_categories_and_fills_missing_ones():
+    rows = [{"preset": "real", "group": "(a)", "profile_ms": {"gemm": 80.0, "copies/casts": 20.0, "odd": 1.0}},
+            {"preset": "real", "group": "(b)", "profile_ms": {"loss": 15.0, "gemm": 85.0}}]
+    labels, per_cat = plot.step_breakdown(rows)
+    assert labels == ["real\n(a)", "real\n(b)"]
+    assert list(per_cat) == ["gemm", "loss", "copies/casts", "odd"]  # CATEGORY_ORDER, then the rest
+    assert per_cat["gemm"] == [80.0, 85.0] and per_cat["loss"] == [0.0, 15.0] and per_cat["odd"] == [1.0, 0.0]
+
+
+def test_tok_s_chart_renders_mfu_and_the_breakdown(tmp_path):
+    pytest = __import__("pytest")
+    pytest.importorskip("matplotlib")
+    rows = [{"gpu": "H200", "date": "2026-12-01T11:23:24+00:00", "preset": "real", "group": g, "tok_s": t,
+             "mfu": m, "profile_ms": {"gemm": 80.0, "attention": a}} for g, t, m, a in
+            (("(a)", 15913.0, 0.374, 16.5), ("(b)", 13544.0, 0.318, 18.0))]
+    path = tmp_path / "tok_s.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = plot.plot_tok_s(str(path), str(tmp_path))
+    assert [os.path.basename(p) for p in out] == ["tok_s-H200.png"] and os.path.getsize(out[0]) > 10_000
