@@ -30,9 +30,8 @@ choose) ``E * G / (1/T + 1/D)``. The goal is 30,000 tokens/s on 8 H200s.
 Presets (the run shape of ``tok_s``'s ``real`` preset: 1 sequence x 3072 tokens, 512 anchors of 16,
 drafter of 5 layers, 32 x 128 query heads, 8 kv heads, the target's intermediate size):
 - ``27b`` (the default on a GPU): a random-weight Qwen3.5-27B-like target (64 layers, 3 Gated DeltaNet :
-  1 attention, hidden 5120, vocab 248320, 54 GB of bf16 weights built on the GPU); GPU only; by
-  estimate (not yet run) 1.5 minutes on an H200 with the model build, 2 warm-up + 3 timed micro-batches
-  per role;
+  1 attention, hidden 5120, vocab 248320, 54 GB of bf16 weights built on the GPU); GPU only; 2 warm-up
+  + 3 timed micro-batches per role;
 - ``real``: ``tok_s``'s random Qwen3.5-4B-like target; GPU only;
 - ``tiny`` (the only one on a CPU, through Triton's interpreter): seconds; says nothing about speed.
 
@@ -56,7 +55,7 @@ import tok_s  # noqa: E402
 ROOT = tok_s.ROOT
 RESULTS = tok_s.RESULTS
 GPUS = 8
-LAYOUT = (5, 3)  # target GPUs + drafter GPUs of issue #21's layout
+LAYOUT = (5, 3)  # target GPUs + drafter GPUs of the full training run's layout
 GOAL = 30_000.0  # tokens/s on 8 H200s
 
 
@@ -316,7 +315,7 @@ def format_report(row) -> str:
     label = "measured (--efficiency)" if row["efficiency_measured"] else "upper bound: no pipeline loss counted"
     lines += ["", f"projection to {p['gpus']} GPUs: T = {t['tok_s']:,.0f}, D = {d['tok_s']:,.0f} tokens/s per GPU, "
               f"pipeline efficiency E = {E:.2f} ({label}); goal {GOAL:,.0f} tokens/s"]
-    body = [[f"{lay['n_target']} + {lay['n_drafter']} (issue #21)", f"E * min({lay['n_target']}T, {lay['n_drafter']}D)",
+    body = [[f"{lay['n_target']} + {lay['n_drafter']} (layout)", f"E * min({lay['n_target']}T, {lay['n_drafter']}D)",
              _fmt(lay["tok_s"], ",.0f"), lay["bound"], _goal(lay["tok_s"])],
             [f"best split {best['n_target']} + {best['n_drafter']}",
              f"E * min({best['n_target']}T, {best['n_drafter']}D)", _fmt(best["tok_s"], ",.0f"),

@@ -58,8 +58,8 @@ def test_cpu_tiny_run_prints_the_roles_and_the_projection(tmp_path):
     table = {ln.split("|")[0].strip(): [c.strip() for c in ln.split("|")] for ln in lines if "|" in ln}
     assert float(table["target (T)"][3].replace(",", "")) == pytest.approx(t["tok_s"], abs=0.5)
     assert float(table["drafter (D)"][3].replace(",", "")) == pytest.approx(d["tok_s"], abs=0.5)
-    assert table["5 + 3 (issue #21)"][1] == "E * min(5T, 3D)"
-    assert float(table["5 + 3 (issue #21)"][2].replace(",", "")) == pytest.approx(p["layout"]["tok_s"], abs=0.5)
+    assert table["5 + 3 (layout)"][1] == "E * min(5T, 3D)"
+    assert float(table["5 + 3 (layout)"][2].replace(",", "")) == pytest.approx(p["layout"]["tok_s"], abs=0.5)
     best = f"best split {p['best']['n_target']} + {p['best']['n_drafter']}"
     assert float(table[best][2].replace(",", "")) == pytest.approx(p["best"]["tok_s"], abs=0.5)
     assert "E = 0.90 (measured (--efficiency))" in out and "short (" in out
