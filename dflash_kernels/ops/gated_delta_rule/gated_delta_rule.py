@@ -120,7 +120,7 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0):
                                    HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
     gdn_fwd_wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=(bucket(n_chunks),),
                             HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None,
-                            BETA_MODE=beta_mode, MARK=not load_a)  # G is this call's own: mark it
+                            BETA_MODE=beta_mode)
     return A, gcum, w, u
 
 

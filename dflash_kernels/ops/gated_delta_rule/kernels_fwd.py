@@ -16,28 +16,6 @@ S0 -> S1 scan, parallel over sequences, heads and V blocks), which in the forwar
 and in the backward's recompute stores S0 and U per chunk instead. Their TritonKernel wrappers and
 tuning candidates close the module.
 
-Non-finite inputs. Inside a chunk every product is lower triangular (row i of w, u,
-``tril(Q K^T * Gamma) U`` and of the solve's block products sums over rows <= i), but a dot multiplies
-the exact zeros above the diagonal too, and 0 * NaN is NaN: a NaN or Inf at token t would reach the
-rows before t. The rows before t come out exactly as without it, the rows from t on non-finite:
-
-- the solve's products with a lower triangular left factor take the finite values of their right
-  operand and set NaN afterwards from each column's first non-finite row on (``finite_part``,
-  ``nan_from``), so A's rows before t are exact (those from t on are NaN);
-- ``wu`` takes the finite values of its operands and stores w and u with their non-finite elements 0
-  (``finite_rows``), and the forward's marks the chunk's rows from the first that held a non-finite
-  value (in diag(beta exp(G)) K, diag(beta) V, or w, u: A's NaN rows show there) on by setting their G
-  to NaN;
-- so the scan meets finite w and u, hence a finite U (no 0 * NaN in P U), and the NaN G makes the
-  marked rows' outputs (through exp(G) and Gamma) and the chunk's end state (exp(G_last)) NaN. The scan
-  itself is untouched: reductions over its tiles would spill registers in its hot loop.
-
-The backward's recompute of w and u reads the forward's marked G. q reaches its own row only (its row
-of P and of Q S0). A non-finite k, v, g or beta at token t makes all elements of the head's outputs
-from t on and of its later states NaN (the plain recurrence: from v, only their column of that
-element). A non-finite value that arises in the scan itself (an overflow of U or of the state) is not
-confined to later rows.
-
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
 (states ``h``) are indexed by the global chunk number, sequence after sequence.
@@ -101,32 +79,6 @@ def gdn_beta(x, BETA_MODE: tl.constexpr):
     elif BETA_MODE == 2:
         x = 2.0 * tl.sigmoid(x)
     return x
-
-
-@triton.jit
-def finite_part(x):
-    """``(x with its non-finite elements 0, the first row of each column holding one)`` for a lower
-    triangular product ``M @ x`` (x.shape[0] in a column without one): see the module docstring."""
-    ok = tl.abs(x) < float("inf")
-    first = tl.min(tl.where(ok, x.shape[0], tl.arange(0, x.shape[0])[:, None]), 0)
-    return tl.where(ok, x, 0.0), first
-
-
-@triton.jit
-def finite_rows(x):
-    """``(x with its non-finite elements 0, the first row holding one)`` (x.shape[0] where none): ``wu``'s
-    operands and results (module docstring)."""
-    ok = tl.abs(x) < float("inf")
-    first = tl.min(tl.min(tl.where(ok, x.shape[0], tl.arange(0, x.shape[0])[:, None]), 1), 0)
-    return tl.where(ok, x, 0.0), first
-
-
-@triton.jit
-def nan_from(y, first, OFF: tl.constexpr = 0):
-    """``y = M @ finite_part(x)[0]`` with NaN where row i + OFF of x (row i of y stands for row i + OFF of x)
-    is at or past the first non-finite row of x's column: what ``M @ x`` gives there."""
-    rows = OFF + tl.arange(0, y.shape[0])
-    return tl.where(rows[:, None] >= first[None, :], float("nan"), y)
 
 
 @triton.jit
@@ -277,12 +229,8 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_p
     m0, m1, m2, m3 = r0 - bos < seqlen, r1 - bos < seqlen, r2 - bos < seqlen, r3 - bos < seqlen
     A00, A11 = _tile(A_ptr, r0, m0, 0, SA, BC), _tile(A_ptr, r1, m1, BC, SA, BC)
     A22, A33 = _tile(A_ptr, r2, m2, 2 * BC, SA, BC), _tile(A_ptr, r3, m3, 3 * BC, SA, BC)
-    # Lower triangular A11 and A33 on the left: their rows must not see the non-finite rows below
-    # (module docstring); the products inside take whole blocks of earlier rows and need no care.
-    P10, f10 = finite_part(_mm(_tile(A_ptr, r1, m1, 0, SA, BC), A00))
-    A10 = -nan_from(_mm(A11, P10), f10)
-    P32, f32 = finite_part(_mm(_tile(A_ptr, r3, m3, 2 * BC, SA, BC), A22))
-    A32 = -nan_from(_mm(A33, P32), f32)
+    A10 = -_mm(A11, _mm(_tile(A_ptr, r1, m1, 0, SA, BC), A00))
+    A32 = -_mm(A33, _mm(_tile(A_ptr, r3, m3, 2 * BC, SA, BC), A22))
     tl.debug_barrier()
     _put(A_ptr, r1, m1, 0, A10, SA, BC)
     _put(A_ptr, r3, m3, 2 * BC, A32, SA, BC)
@@ -295,11 +243,8 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_p
     _put(A_ptr, r_hi, m_hi, 0, P0, SA, BC)
     _put(A_ptr, r_hi, m_hi, BC, P1, SA, BC)
     tl.debug_barrier()
-    # -Ahi P is lower triangular in its rows (module docstring): block 3's rows are P's rows 16..31.
-    P2, f2 = finite_part(_tile(A_ptr, r2, m2, 0, SA, H))
-    X2 = -nan_from(_mm(A22, P2), f2)
-    P23, f23 = finite_part(_tile(A_ptr, r_hi, m_hi, 0, SA, H))
-    X3 = -nan_from(_mm(_tile(A_ptr, r3, m3, H, SA, H), P23), f23, BC)  # [A32 A33] P
+    X2 = -_mm(A22, _tile(A_ptr, r2, m2, 0, SA, H))
+    X3 = -_mm(_tile(A_ptr, r3, m3, H, SA, H), _tile(A_ptr, r_hi, m_hi, 0, SA, H))  # [A32 A33] P
     tl.debug_barrier()
     _put(A_ptr, r2, m2, 0, X2, SA, H)
     _put(A_ptr, r3, m3, 0, X3, SA, H)
@@ -309,12 +254,8 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_p
 def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu_seqlens_ptr, chunk_indices_ptr, T,
                        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
-                       BETA_MODE: tl.constexpr = 0, MARK: tl.constexpr = False):
-    """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute).
-
-    Non-finite values (module docstring): finite operands in the dots, w and u stored with their
-    non-finite elements 0; MARK (the forward, whose G this is): G is set to NaN from the first row that
-    held one on."""
+                       BETA_MODE: tl.constexpr = 0):
+    """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute)."""
     tl.static_assert(BK >= K)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
@@ -333,23 +274,17 @@ def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu
     b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
 
     b_Ad = b_A.to(b_k.dtype)
-    b_kw, bad = finite_rows((b_k * (b_beta * tl.exp(tl.where(m_t, b_G, 0.0)))[:, None]).to(b_k.dtype))
-    # w and u checked in their stored dtype (A's non-finite rows show there, and an overflow of the cast)
-    b_w, f = finite_rows(tl.dot(b_Ad, b_kw).to(w_ptr.dtype.element_ty))
-    bad = tl.minimum(bad, f)  # the chunk's first row holding a non-finite value
-    tl.store(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_w, mask=m_t[:, None] & m_k[None, :])
+    b_kw = (b_k * (b_beta * tl.exp(tl.where(m_t, b_G, 0.0)))[:, None]).to(b_k.dtype)
+    b_w = tl.dot(b_Ad, b_kw)
+    tl.store(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_w.to(w_ptr.dtype.element_ty),
+             mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
         b_v = tl.load(v_ptr + p_v, mask=m_tv, other=0)
-        b_y, f = finite_rows((b_v * b_beta[:, None]).to(b_k.dtype))
-        bad = tl.minimum(bad, f)
-        b_u, f = finite_rows(tl.dot(b_Ad, b_y).to(u_ptr.dtype.element_ty))
-        bad = tl.minimum(bad, f)
-        tl.store(u_ptr + p_v, b_u, mask=m_tv)
-    if MARK:
-        tl.store(gcum_ptr + rows * HV + i_h, tl.full([BT], float("nan"), tl.float32), mask=m_t & (o_i >= bad))
+        b_u = tl.dot(b_Ad, (b_v * b_beta[:, None]).to(b_k.dtype))
+        tl.store(u_ptr + p_v, b_u.to(u_ptr.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -454,7 +389,6 @@ FP32_CONFIGS = [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warp
 # The solve's substitution holds one [4, 16] row per step: one element per thread at 2 warps.
 gdn_fwd_solve_kernel = ByPrecision(_gdn_fwd_solve_kernel, "gdn_fwd_solve", [Config(num_warps=2), Config(num_warps=4)],
                                    [Config(num_warps=4, num_stages=1)], Config())
-# Its tuning trials need not restore G: marking it is idempotent (a marked G makes the same rows non-finite).
 gdn_fwd_wu_kernel = ByPrecision(
     _gdn_fwd_wu_kernel, "gdn_fwd_wu",
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)], FP32_CONFIGS)
