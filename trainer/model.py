@@ -73,6 +73,33 @@ class DrafterConfig:
             raise ValueError("target_layer_ids: at least one target layer is needed")
 
 
+class _InvRms(torch.autograd.Function):
+    """``rsqrt(mean(xf^2, -1) + eps)`` ``[..., 1]`` of fp32 ``xf`` ``[..., D]``: the forward is the plain chain's
+    own ops; the backward gives autograd's gradient of that chain bit for bit in one full-size pass.
+
+    Autograd differentiates ``pow -> mean -> + eps -> rsqrt`` as ``g = -0.5 * grad * r^3`` (per row), then
+    ``g.expand(D) / D`` (a strided fp32 division over all of ``xf``: CUDA runs it non-vectorized), then
+    ``that * (2.0 * xf.pow(1.0))`` (a copy of ``xf``, a scaling and a product): four full-size passes. Here the
+    division runs per row before the broadcast (the same quotient in every element) and the exact factor 2
+    moves onto the row term (``fl(g * fl(2 x)) == fl(fl(2 g) * x)``: doubling is exact), so one broadcast
+    product remains. ``trainer.copy_audit`` found the four passes; ``tests/trainer/test_no_hidden_copies.py``
+    keeps them out and checks the gradients bit for bit.
+    """
+
+    @staticmethod
+    def forward(ctx, xf, eps):
+        r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(xf, r)
+        return r
+
+    @staticmethod
+    def backward(ctx, grad):
+        xf, r = ctx.saved_tensors
+        g = -0.5 * grad * r.pow(3)  # RsqrtBackward0, as autograd writes it
+        g = g / xf.shape[-1]  # MeanBackward1's division by D, per row
+        return (g * 2.0) * xf, None  # PowBackward0: grad * (2 * xf), the exact 2 on the row term
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -83,7 +110,7 @@ class RMSNorm(nn.Module):
         if _fused(x):
             return fused_rms_norm(x, self.weight, self.eps)
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * _InvRms.apply(xf, self.eps)
         return (self.weight.float() * xf).to(x.dtype)
 
 
@@ -93,6 +120,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
     ang = positions.double()[..., None] * inv_freq  # fp64 angles: exact enough at positions ~1e5
     ang = torch.cat([ang, ang], -1)[:, :, None, :]
     return ang.cos().float(), ang.sin().float()
+
+
+def _rounded(t: torch.Tensor, dtype) -> torch.Tensor:
+    """``t`` rounded to ``dtype``, kept in ``t``'s dtype (the values of ``t.to(dtype)``, exactly)."""
+    return t if t.dtype == dtype else t.to(dtype).to(t.dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -222,8 +254,11 @@ class DFlashDrafter(nn.Module):
         dev = block_embeds.device
         pos_q = (anchors.long()[:, :, None] + torch.arange(bs, device=dev)).reshape(B, Tq)
         pos_ctx = torch.arange(S, device=dev).expand(B, S)
-        rope_q = tuple(t.to(ctx.dtype) for t in rope_cos_sin(pos_q, cfg.head_dim, cfg.rope_theta))
-        rope_ctx = tuple(t.to(ctx.dtype) for t in rope_cos_sin(pos_ctx, cfg.head_dim, cfg.rope_theta))
+        # cos / sin rounded to the activations' dtype, then held in fp32: the plain RoPE multiplies fp32
+        # activations by them, and a bf16 table made each of those products (forward and backward) a
+        # mixed-dtype kernel (CUDA's dynamic-casting path) with the same result.
+        rope_q = tuple(_rounded(t, ctx.dtype) for t in rope_cos_sin(pos_q, cfg.head_dim, cfg.rope_theta))
+        rope_ctx = tuple(_rounded(t, ctx.dtype) for t in rope_cos_sin(pos_ctx, cfg.head_dim, cfg.rope_theta))
         x = block_embeds.to(ctx.dtype)
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_ctx, masks[layer.layer_type])

@@ -37,7 +37,9 @@ def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainCon
         from trainer.data import packed_drafter_masks
 
         masks = packed_drafter_masks(drafter, anchors, batch["doc_ids"].to(dev, non_blocking=True), valid)
-    with torch.autocast(dev.type, dtype=dtype, enabled=dev.type == "cuda" and dtype != torch.float32):
+    # fp32 master weights under autocast wherever the compute dtype is lower (a CPU bf16 run too: the
+    # same casts as on a GPU, which is what trainer.copy_audit inspects).
+    with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
         hidden = drafter(emb, feats, anchors, valid, masks=masks)
         logits = heads.lm_head(hidden) if cfg.loss == "logits" else None
     if logits is not None:
