@@ -282,10 +282,19 @@ def test_gdn_nonfinite_stays_in_its_document(name, value):
 GDN_TOKENS = (64 + 20, 64 + 40, 64 + 60, 128 + 5)
 
 
+def _leaks_inside_a_chunk(name):
+    # q reaches its own row only, in every kernel; the others leak through the chunk's products
+    return [] if name == "q" else [pytest.mark.xfail(
+        strict=True, reason="known leak: inside a chunk the kernels' lower triangular products multiply "
+                            "their exact zeros by the non-finite rows below (0 * NaN = NaN), so the "
+                            "rows before the token turn NaN too; a fix (branch wip/gdn-nonfinite) "
+                            "awaits its GPU correctness and speed check")]
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("name", GDN_INPUTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_leaks_inside_a_chunk(n)) for n in GDN_INPUTS])
 def test_gdn_nonfinite_token_reaches_no_earlier_token(name, value, dtype):
     """Inside one sequence (150 tokens: two full chunks, a partial one), forward: head h holds a NaN / Inf
     at token GDN_TOKENS[h]. Its outputs before that token are exactly the clean run's (they cannot see
@@ -420,10 +429,9 @@ def test_conv1d_nonfinite_stays_in_its_segment(conv_impl, spot, layout, value):
 
 
 @needs_kernels
-@pytest.mark.xfail(strict=True, reason="known leak: a padding time's x reaches dweight of its channel through 0 * x "
-                                       "(the padding output's gradient 0 times its own input) in both the Triton "
-                                       "and the CUDA backward")
-@pytest.mark.parametrize("conv_impl", ["triton", "cuda"], indirect=True)
+@pytest.mark.parametrize("conv_impl", ["triton", pytest.param("cuda", marks=pytest.mark.xfail(
+    strict=True, reason="known leak in the CUDA backward: a padding time's x reaches dweight of its channel "
+                        "through 0 * x (the padding output's gradient 0 times its own input)"))], indirect=True)
 @pytest.mark.parametrize("layout", ["channel_first", "channel_last"])
 def test_conv1d_nonfinite_padding_reaches_no_weight_gradient(conv_impl, layout):
     """x at a padding time (seq_idx -1) feeds no output and no gradient (causal_conv1d's docstring): a

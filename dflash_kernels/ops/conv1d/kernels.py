@@ -379,6 +379,12 @@ def _conv1d_bwd_kernel(
         if HAS_SEQ:  # qs[i]: sequence ids at position i - (W-1), like xs
             qs = _positions(seq_ptr, b, d, d_mask, t0, T, stride_sb, 0, 1, -(W - 1), V + W - 1,
                             True, False, 1, BT, V)
+            # x at a padding time feeds no output: zeroed, so that a non-finite one cannot reach
+            # dweight through the padding output's zero gradient (0 * NaN).
+            xz = ()
+            for i in tl.static_range(V + 2 * W - 2):  # positions -(W-1) .. V+W-2, as xs
+                xz = xz + (tl.where(qs[i] >= 0, xs[i], 0.0),)
+            xs = xz
         # g at positions 0 .. V+W-2; those of 0 .. V-1 (this tile's times) also feed dweight and dbias.
         gs = ()
         for p in tl.static_range(V + W - 1):
