@@ -7,6 +7,7 @@ anything ``AutoModelForCausalLM`` loads with ``output_hidden_states`` works.
 import inspect
 import os
 import sys
+import threading
 
 import torch
 
@@ -19,11 +20,22 @@ HYBRID_FUNCTIONS = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gat
                     "torch_recurrent_gated_delta_rule")
 
 
+class _Enough(Exception):
+    """Raised by the layer tap once the deepest layer :meth:`Target.features` needs has run."""
+
+
 class Target:
     """A frozen causal LM plus its tokenizer.
 
     ``layer_ids`` are decoder-layer indices: layer i's output is HF's ``hidden_states[i + 1]``
     (index 0 is the embedding output).
+
+    :meth:`features` stops the forward after the deepest layer it needs: the decoder layers past it,
+    the final norm and the LM head are not run (two of 32 layers of the ``real`` preset's target).
+    Forward hooks on the decoder layers (``model.base_model.layers``) take the chosen layers' outputs;
+    they act only for the thread inside :meth:`features` (a thread-local request), so target threads
+    sharing one model stay independent. A model without such a layer list, or a deepest layer that
+    is the last one (HF gives the final-normed state there), runs the whole forward as before.
     """
 
     def __init__(self, model, tokenizer, layer_ids):
@@ -38,6 +50,24 @@ class Target:
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"target_layer_ids: {bad} outside [0, {self.num_layers - 1}] for this target")
+        self._request = threading.local()
+        layers = getattr(getattr(model, "base_model", None), "layers", None)
+        self._tapped = (isinstance(layers, torch.nn.ModuleList) and len(layers) == self.num_layers
+                        and max(self.layer_ids) < self.num_layers - 1)
+        if self._tapped:
+            for i, layer in enumerate(layers):
+                layer.register_forward_hook(self._tap(i))
+
+    def _tap(self, i):
+        def hook(module, args, output):
+            want = getattr(self._request, "want", None)
+            if want is None:  # this thread is not inside features(): nothing to take
+                return
+            if i in want:
+                want[i] = output[0] if isinstance(output, tuple) else output
+            if i == self._request.last:
+                raise _Enough
+        return hook
 
     @property
     def device(self):
@@ -72,8 +102,20 @@ class Target:
         the pads, so their states are exact, and the pad positions are never read by the drafter
         (anchors and labels stay inside each sequence).
         """
-        out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
-        return self._select(out.hidden_states)
+        if not self._tapped:
+            out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+            return self._select(out.hidden_states)
+        want = dict.fromkeys(self.layer_ids)
+        self._request.want, self._request.last = want, max(self.layer_ids)
+        try:
+            self.model.base_model(input_ids=input_ids, use_cache=False)
+        except _Enough:
+            pass
+        else:
+            raise RuntimeError(f"target: the forward ended without running layer {self._request.last}")
+        finally:
+            self._request.want = None
+        return torch.cat([want[i] for i in self.layer_ids], -1)
 
     @torch.no_grad()
     def logits_and_features(self, input_ids: torch.Tensor):
