@@ -440,7 +440,8 @@ def real_bytes(e: Event) -> float:
 
 def shrunken_real_setup(dtype=torch.bfloat16, batch_size=1, seed=0):
     """``(cfg, target, dataset)`` of :data:`AUDIT_DIMS`: a Qwen3.5 hybrid (3 GDN : 1 attention) on the CPU,
-    random weights in ``dtype``, the trainer's default preset shrunk to those dimensions."""
+    random weights in ``dtype``, the trainer's default preset shrunk to those dimensions. The target's
+    routing through dflash_kernels is ``target.routing`` (``undo()`` restores transformers' functions)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from trainer.config import default_target_layer_ids, preset
@@ -465,8 +466,9 @@ def shrunken_real_setup(dtype=torch.bfloat16, batch_size=1, seed=0):
         model = Qwen3_5ForCausalLM(text)
     finally:
         torch.set_default_dtype(prev)
-    integ.use_dflash_kernels(model)
+    routing = integ.use_dflash_kernels(model)
     target = Target(model, None, default_target_layer_ids(a["L"], a["k"]))
+    target.routing = routing
     g = torch.Generator().manual_seed(seed)
     seqs = []
     for _ in range(4):

@@ -105,7 +105,9 @@ def _describe(e: ca.Event) -> str:
 
 @pytest.fixture(scope="module")
 def audit_setup():
-    return ca.shrunken_real_setup()
+    setup = ca.shrunken_real_setup()
+    yield setup
+    setup[1].routing.undo()  # transformers' own functions back for the tests that follow in this process
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
