@@ -133,7 +133,8 @@ def _keep_frame(path: str) -> bool:
     path = os.path.abspath(path)
     if path == _THIS:
         return False
-    if path.startswith(ROOT + os.sep) and os.sep + ".venv" + os.sep not in path:
+    installed = any(f"{os.sep}{k}{os.sep}" in path for k in ("site-packages", "dist-packages"))
+    if path.startswith(ROOT + os.sep) and not installed:  # a virtual environment may sit inside the repository
         return True
     return (f"{os.sep}transformers{os.sep}models{os.sep}" in path or f"{os.sep}torch{os.sep}optim{os.sep}" in path
             or f"{os.sep}torch{os.sep}nn{os.sep}utils{os.sep}clip_grad" in path)
