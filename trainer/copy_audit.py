@@ -1,4 +1,4 @@
-"""Where a training step copies, casts and runs strided fp32 elementwise ops (issue #20, item 1).
+"""Where a training step copies, casts and runs strided fp32 elementwise ops.
 
 A GPU profile names kernels, not the code that launched them: a non-vectorized
 ``elementwise_kernel<128, 2, ... BinaryFunctor<float>>`` or a ``direct_copy_kernel_cuda`` says nothing

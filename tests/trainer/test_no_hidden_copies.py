@@ -1,4 +1,4 @@
-"""No copy, cast or strided fp32 elementwise op in the trainer's step that nobody chose (issue #20, item 1).
+"""No copy, cast or strided fp32 elementwise op in the trainer's step that nobody chose.
 
 One training step (target features -> drafter -> fused LM-head loss -> backward -> clip -> fused AdamW) of a
 shrunken ``real`` preset (:func:`trainer.copy_audit.shrunken_real_setup`: a Qwen3.5 hybrid target, 3 GDN : 1
