@@ -108,3 +108,119 @@ def peer_backends() -> tuple:
     if back["conv1d"] == "auto":
         missing.append("causal-conv1d not importable: the target's conv stays on dflash_kernels")
     return back, missing
+
+
+# ------------------------------------------------------------------ (b+): Liger Kernel and CCE
+PLUS_LOSSES = ("liger", "cce")  # the fused LM-head losses a user could put in (b)'s place
+
+
+def peer_head_loss(name: str):
+    """``dflash_head_loss``'s signature through a peer's fused linear cross-entropy (``name`` in
+    :data:`PLUS_LOSSES`): every draft row goes in with the uncounted ones at ``ignore_index``,
+    ``reduction="none"`` gives each row's CE, and the weighted mean ``sum(w * ce) / sum(w)`` is taken
+    outside (neither peer takes per-row weights; Liger's backward then recomputes its logits chunks
+    to fold the per-row upstream gradient in). Liger returns its argmax for the accuracy; CCE has none,
+    so its stats carry ``acc`` NaN (the benchmark reads only the loss)."""
+    from trainer.loss import IGNORE_INDEX, _stats, position_weights
+
+    if name == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    elif name == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+    else:
+        raise ValueError(f"name: unknown peer loss {name!r}; choose one of {list(PLUS_LOSSES)}")
+
+    def head_loss(hidden, weight, labels, counted, gamma, bias=None, chunk_rows=None, fused=False):
+        B, N, bs = labels.shape
+        lab = torch.where(counted, labels, IGNORE_INDEX).reshape(-1)
+        w = (position_weights(bs, gamma).to(hidden.device)[None, None, :] * counted).reshape(-1)
+        h = hidden.reshape(B * N * bs, -1).to(weight.dtype)
+        if name == "liger":
+            out = liger_fused_linear_cross_entropy(h, weight, lab, bias=bias, ignore_index=IGNORE_INDEX,
+                                                   reduction="none", return_predicted_tokens=True)
+            ce, pred = out.loss, out.predicted_tokens
+        else:
+            if bias is not None:
+                raise ValueError("cce: the LM head's bias is not supported by this benchmark's CCE path")
+            ce, pred = linear_cross_entropy(h, weight, lab, ignore_index=IGNORE_INDEX, reduction="none"), None
+        loss = (ce.float() * w).sum() / w.sum().clamp_min(1e-12)
+        if pred is None:
+            return loss, {"acc": float("nan"), "acc_by_pos": torch.full((bs,), float("nan")), "tokens": -1}
+        with torch.no_grad():
+            hit = (pred.view(B, N, bs) == labels) & counted
+        return loss, _stats(hit, counted)
+    return head_loss
+
+
+class _Undo:
+    """Restores every instance attribute a patch added or replaced on a set of modules, and module
+    globals it rebound (Liger patches instances by binding ``forward`` into their ``__dict__``)."""
+
+    def __init__(self, modules, globals_=()):
+        self.saved = [(m, dict(m.__dict__)) for m in modules]
+        self.globals = [(mod, name, getattr(mod, name)) for mod, name in globals_]
+
+    def undo(self):
+        for m, before in self.saved:
+            for k in [k for k in m.__dict__ if k not in before]:
+                del m.__dict__[k]
+            for k, v in before.items():
+                if m.__dict__.get(k) is not v:
+                    m.__dict__[k] = v
+        for mod, name, value in self.globals:
+            setattr(mod, name, value)
+
+
+def liger_elementwise(drafter, target_model) -> _Undo:
+    """Liger Kernel's RMSNorm, RoPE and SwiGLU in the drafter and its RMSNorm and SwiGLU MLP in the
+    target (``apply_liger_kernel_to_qwen3_5(model=...)``: Liger has no RoPE for Qwen3.5's hybrid
+    attention). Returns the undo. Drafter: RMSNorm as ``liger_rms_norm(..., casting_mode="gemma")``
+    (fp32 throughout, as the drafter's own), ``liger_rope`` on q and the draft keys together (one
+    table) and on the context keys with a one-head stand-in for its second tensor, SwiGLU as
+    ``LigerSiLUMulFunction``."""
+    import types
+
+    import trainer.model as tm
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    from liger_kernel.transformers.functional import liger_rms_norm, liger_rope
+    from liger_kernel.transformers.monkey_patch import apply_liger_kernel_to_qwen3_5
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    mods = list(drafter.modules()) + list(target_model.modules())
+    undo = _Undo(mods, [(modeling_qwen3_5, "Qwen3_5RMSNorm"), (modeling_qwen3_5, "Qwen3_5MLP"),
+                        (modeling_qwen3_5.Qwen3_5ForCausalLM, "forward")])
+
+    def norm_forward(self, x):
+        return liger_rms_norm(x, self.weight, self.eps, 0.0, casting_mode="gemma", in_place=False)
+
+    def rope2(q, k, cos, sin):  # [B, T, H, D] and cos / sin [B, T, 1, D] -> Liger's [B, H, T, D], [B, T, D]
+        q, k = liger_rope(q.transpose(1, 2), k.transpose(1, 2), cos[:, :, 0], sin[:, :, 0])
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    def attn_forward(self, x, ctx, rope_q, rope_ctx, mask):
+        B, Tq, _ = x.shape
+        S = ctx.shape[1]
+        q = self.q_norm(self.q_proj(x).view(B, Tq, self.Hq, self.D))
+        kx = self.k_norm(self.k_proj(x).view(B, Tq, self.Hkv, self.D))
+        vx = self.v_proj(x).view(B, Tq, self.Hkv, self.D)
+        kc = self.k_norm(self.k_proj(ctx).view(B, S, self.Hkv, self.D))
+        vc = self.v_proj(ctx).view(B, S, self.Hkv, self.D)
+        q, kx = rope2(q, kx, *rope_q)
+        kc, _ = rope2(kc, kc.new_zeros(B, S, 1, self.D), *rope_ctx)
+        k = torch.cat([kc, kx], 1).to(q.dtype)
+        v = torch.cat([vc, vx], 1).to(q.dtype)
+        return self.o_proj(self.attend(q, k, v, mask).reshape(B, Tq, self.Hq * self.D))
+
+    def mlp_forward(self, x):
+        return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
+
+    for m in drafter.modules():
+        if isinstance(m, tm.RMSNorm):
+            m.forward = types.MethodType(norm_forward, m)
+        elif isinstance(m, tm.Attention):
+            m.forward = types.MethodType(attn_forward, m)
+        elif isinstance(m, tm.MLP):
+            m.forward = types.MethodType(mlp_forward, m)
+    apply_liger_kernel_to_qwen3_5(rope=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True,
+                                  model=target_model)
+    return undo

@@ -15,7 +15,15 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
 - (f) (a) plus the library's fused ``rms_norm`` / ``apply_rope`` / ``swiglu`` in the drafter
   (``trainer.model.FUSED_OPS``) and in the target (``use_dflash_kernels(model, elementwise=True)``,
   undone after the group); on a CPU the same as (a) (the fused ops there would run the interpreter).
-  Not in the default ``--groups``: ask for it (``--groups a,f``) for the A/B of those ops.
+  Not in the default ``--groups``: ask for it (``--groups a,f``) for the A/B of those ops;
+- (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
+  (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
+  (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
+  position weights applied outside, ``benchmarks/peers.py``), and Liger's RMSNorm / RoPE / SwiGLU in
+  the drafter and its RMSNorm / SwiGLU MLP in the target (``b+liger-ew``); then the pieces that made
+  (b) faster together (the fastest loss, Liger's elementwise ops if they helped), run as one more row
+  unless it is one already measured. That row (or (b) itself when no piece helped) carries
+  ``b_plus_best``; the table's notes name it.
 
 Each row reports tokens/s (target tokens of the batch per second of training step, the trainer's own
 definition), ms/step, the model FLOPs per step and the MFU they give against the H200's dense bf16
@@ -52,12 +60,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peers.py sits next to this file
-from peers import FlexDrafterAttention, peer_backends  # noqa: E402
+from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_backends, peer_head_loss  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "c", "f")
+GROUPS = ("a", "b", "b+", "c", "f")
 
 
 def parse_args(argv=None):
@@ -67,7 +75,8 @@ def parse_args(argv=None):
                    help="repeatable; default: embedded and real on a GPU, tiny on a CPU")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
-                   "b (peers), c (reference), f ((a) with the fused norm/RoPE/SwiGLU ops; not in the default)")
+                   "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), f ((a) with the fused "
+                   "norm/RoPE/SwiGLU ops); b+ and f are not in the default")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
@@ -204,8 +213,19 @@ def group_plan(group: str, dev) -> dict:
         return {"label": "(b) peers", "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
                 "flex is measured on the GPU)"}
     back, missing = peer_backends()
-    return {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing),
+    plan = {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing),
             "loss": "logits", "adamw": "foreach"}
+    if group.startswith("b+"):  # b+<loss>[+liger-ew]: (b) with a peer's fused loss and/or Liger's elementwise ops
+        parts = group[2:].split("+")
+        loss = parts[0] if parts[0] in PLUS_LOSSES else None
+        ew = "liger-ew" in parts
+        if (loss is None and parts[0] not in ("logits", "liger-ew")) or any(
+                p not in PLUS_LOSSES + ("logits", "liger-ew") for p in parts):
+            raise SystemExit(f"--groups: unknown (b+) variant {group!r}")
+        plan.update(label=f"(b+) {'+'.join(parts)}", peer_loss=loss, liger_elementwise=ew)
+        if loss is not None:
+            plan["loss"] = "chunked"  # drafter_loss's head-loss path, with the peer's loss patched in
+    return plan
 
 
 def _describe(plan, dev) -> str:
@@ -284,7 +304,10 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     """One group's row (``_run_group``); group (f) on a GPU runs with the fused elementwise ops switched
     on in the drafter and routed in the target for its duration only."""
     args = (setup, group, steps, warmup, dev, dtype, reference_steps, profile, log)
-    if not group_plan(group, dev).get("elementwise") or dev.type != "cuda":
+    plan = group_plan(group, dev)
+    if plan.get("peer_loss") or plan.get("liger_elementwise"):
+        return _run_plus_group(plan, *args)
+    if not plan.get("elementwise") or dev.type != "cuda":
         return _run_group(*args)
     import trainer.model as drafter_model
     from dflash_kernels.integrations.transformers import use_dflash_kernels
@@ -297,6 +320,34 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     finally:
         routing.undo()
         drafter_model.FUSED_OPS = before
+
+
+def _run_plus_group(plan, setup, *args):
+    """A (b+) row: (b) with a peer's fused LM-head loss in ``drafter_loss``'s head-loss call and/or
+    Liger's RMSNorm / RoPE / SwiGLU in the drafter and target, all undone after the row."""
+    import trainer.step as step_mod
+
+    before = step_mod.dflash_head_loss
+    undo = None
+    try:
+        if plan.get("peer_loss"):
+            step_mod.dflash_head_loss = peer_head_loss(plan["peer_loss"])
+        if plan.get("liger_elementwise"):
+            _PLUS_HOOK["build"] = lambda drafter: liger_elementwise(drafter, setup.target.model)
+        row = _run_group(setup, *args)
+    finally:
+        step_mod.dflash_head_loss = before
+        undo = _PLUS_HOOK.pop("undo", None)
+        _PLUS_HOOK.pop("build", None)
+        if undo is not None:
+            undo.undo()
+    row["elementwise"] = "liger" if plan.get("liger_elementwise") else row.get("elementwise", "eager")
+    if plan.get("peer_loss"):
+        row["loss_path"] = plan["peer_loss"]
+    return row
+
+
+_PLUS_HOOK = {}  # (b+) rows: patches that need the row's fresh drafter
 
 
 def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3,
@@ -327,6 +378,8 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
                                               else target.vocab_size - 1)
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     flex = FlexDrafterAttention(drafter) if plan["flex"] else None
+    if "build" in _PLUS_HOOK:
+        _PLUS_HOOK["undo"] = _PLUS_HOOK.pop("build")(drafter)
     cfg = dataclasses.replace(cfg, loss=plan["loss"])
     row["elementwise"] = "fused" if plan.get("elementwise") and dev.type == "cuda" else "eager"
     fused_adamw = plan["adamw"] == "fused" and dev.type == "cuda"
@@ -379,6 +432,20 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     return row
 
 
+PLUS_VARIANTS = PLUS_LOSSES + ("liger-ew",)
+
+
+def parse_groups(text: str) -> list:
+    """``--groups`` -> the group names, ``b+`` last-but-kept in order; unknown names refused."""
+    groups = [g.strip() for g in text.split(",") if g.strip()]
+    for g in groups:
+        if g not in GROUPS:
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c and/or f")
+    if "b+" in groups and "b" not in groups[:groups.index("b+")]:
+        raise SystemExit("--groups: b+ compares each peer piece with (b) in the same run: put b before b+")
+    return groups
+
+
 def run_preset(name, args, dev, dtype, log) -> list:
     import dflash_kernels as dk
 
@@ -392,9 +459,8 @@ def run_preset(name, args, dev, dtype, log) -> list:
     log(f"\n== preset {name}: {setup.note}; batch {c.batch_size} x {c.max_len} tokens, {c.num_anchors} anchors, "
         f"drafter {c.num_layers} layers {c.num_heads}x{c.head_dim} heads; {dtype}; {warmup} warm-up + {steps} timed steps")
     rows = []
-    for g in [g.strip() for g in args.groups.split(",") if g.strip()]:
-        if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, c and/or f")
+
+    def one(g):
         log(f"  {name} group ({g}) ...")
         try:
             row = run_group(setup, g, steps, warmup, dev, dtype, args.reference_steps, args.profile, log)
@@ -408,6 +474,29 @@ def run_preset(name, args, dev, dtype, log) -> list:
                 torch.cuda.empty_cache()
         log(f"    {row}")
         rows.append(row)
+        return row
+
+    for g in parse_groups(args.groups):
+        if g != "b+":
+            one(g)
+            continue
+        # (b+): each peer piece added to (b) alone, then the pieces that made (b) faster together
+        b = next((r for r in rows if r["group"] == "(b) peers"), None)
+        plus = {v: one(f"b+{v}") for v in PLUS_VARIANTS}
+        if b is None or "ms_step" not in b:
+            log("    (b+) best: not formed ((b) has no timed row in this run)")
+            continue
+        losses = {"logits": b["ms_step"], **{v: r["ms_step"] for v, r in plus.items()
+                                            if v in PLUS_LOSSES and "ms_step" in r}}
+        loss = min(losses, key=losses.get)
+        ew = plus["liger-ew"].get("ms_step", float("inf")) < b["ms_step"]
+        best = "+".join(([loss] if loss != "logits" else []) + (["liger-ew"] if ew else [])) or "logits"
+        if best == "logits":
+            b["b_plus_best"] = True  # no peer piece made (b) faster: (b) is (b+)
+        elif best in plus:
+            plus[best]["b_plus_best"] = True
+        else:
+            one(f"b+{best}")["b_plus_best"] = True
     base = next((r for r in rows if r["group"].startswith("(a)") and "tok_s" in r), None)
     for r in rows:
         if base is not None and "tok_s" in r:
@@ -440,6 +529,8 @@ def format_table(rows) -> str:
             body.append([cell(r, k, f) for k, _, f in COLUMNS])
             if r.get("note"):
                 notes.append(f"{r['preset']} {r['group']}: {r['note']}")
+            if r.get("b_plus_best"):
+                notes.append(f"{r['preset']} (b+), the fastest peer stack of this run: {r['group']}")
     widths = [max(len(b[i]) for b in body) for i in range(len(COLUMNS))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
     lines.insert(1, "-|-".join("-" * w for w in widths))

@@ -3,6 +3,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,3 +36,117 @@ def test_tok_s_peers_group_uses_them(monkeypatch):
     assert plan["flex"] and plan["backends"]["gdn"] == "auto" and "causal-conv1d not importable" in plan["note"]
     assert "skip" in tok_s.group_plan("b", torch.device("cpu"))
     assert tok_s.FlexDrafterAttention is peers.FlexDrafterAttention
+
+
+# ------------------------------------------------------------------------------------- (b+)
+def test_b_plus_groups_parse_and_plan(monkeypatch):
+    assert tok_s.parse_groups("a, b,b+") == ["a", "b", "b+"]
+    for bad, msg in (("b+,b", "put b before b+"), ("a,b+", "put b before b+"), ("a,x", "unknown group 'x'")):
+        with pytest.raises(SystemExit, match=msg):
+            tok_s.parse_groups(bad)
+    monkeypatch.setattr(peers, "peer_importable", lambda m: True)
+    cuda = torch.device("cuda")
+    plan = tok_s.group_plan("b+liger", cuda)
+    assert plan["label"] == "(b+) liger" and plan["peer_loss"] == "liger" and plan["loss"] == "chunked"
+    assert not plan["liger_elementwise"] and plan["flex"]
+    plan = tok_s.group_plan("b+cce+liger-ew", cuda)
+    assert plan["peer_loss"] == "cce" and plan["liger_elementwise"] and plan["label"] == "(b+) cce+liger-ew"
+    plan = tok_s.group_plan("b+liger-ew", cuda)
+    assert plan["peer_loss"] is None and plan["liger_elementwise"] and plan["loss"] == "logits"
+    with pytest.raises(SystemExit, match="unknown"):
+        tok_s.group_plan("b+flce", cuda)
+    assert "skip" in tok_s.group_plan("b+liger", torch.device("cpu"))
+    with pytest.raises(ValueError, match="name: unknown peer loss 'x'"):
+        peers.peer_head_loss("x")
+
+
+def test_undo_restores_instance_patches_and_module_globals():
+    import types
+
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    ref = lin(x)
+    holder = types.SimpleNamespace(value=1)
+    undo = peers._Undo([lin], [(holder, "value")])
+    lin.forward = types.MethodType(lambda self, x: x * 0, lin)
+    lin.extra = 5
+    holder.value = 2
+    assert lin(x).abs().sum() == 0
+    undo.undo()
+    assert torch.equal(lin(x), ref) and not hasattr(lin, "extra") and holder.value == 1
+    assert "forward" not in lin.__dict__
+
+
+def _gpu_peer(module):
+    if not torch.cuda.is_available():
+        pytest.skip("the peers' Triton kernels run on CUDA only (not under the interpreter)")
+    pytest.importorskip(module)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["liger", "cce"])
+def test_peer_head_loss_is_the_dflash_loss(name):
+    """The (b+) loss rows compute the trainer's weighted CE: loss and hidden gradient against the fp32
+    logits path (``dflash_loss``), at the real vocabulary and an odd row count."""
+    _gpu_peer({"liger": "liger_kernel", "cce": "cut_cross_entropy"}[name])
+    from tests.helpers import rel_err
+    from trainer.loss import dflash_loss
+
+    torch.manual_seed(0)
+    B, N, bs, H, V = 1, 37, 16, 256, 248320
+    hidden = (torch.randn(B, N * bs, H, device="cuda") * 0.5).to(torch.bfloat16).requires_grad_(True)
+    W = (torch.randn(V, H, device="cuda") * 0.05).to(torch.bfloat16)
+    labels = torch.randint(0, V, (B, N, bs), device="cuda")
+    counted = torch.rand(B, N, bs, device="cuda") > 0.3
+    counted[:, :, 0] = False
+    ref, ref_stats = dflash_loss(hidden.float() @ W.float().T, labels, counted, 7.0)
+    (g_ref,) = torch.autograd.grad(ref, hidden)
+    loss, stats = peers.peer_head_loss(name)(hidden, W, labels, counted, 7.0)
+    (g,) = torch.autograd.grad(loss, hidden)
+    assert abs(loss.item() - ref.item()) / ref.item() < 2e-2
+    assert rel_err(g.float(), g_ref.float()) < 3e-2
+    if name == "liger":
+        assert stats["acc"] == pytest.approx(ref_stats["acc"], abs=0.02)
+
+
+@pytest.mark.gpu
+def test_liger_elementwise_drafter_and_target_then_undone():
+    """Liger's norm / RoPE / SwiGLU give the eager drafter's and target's outputs and gradients; the undo
+    brings back the eager modules exactly."""
+    _gpu_peer("liger_kernel")
+    from tests.helpers import rel_err
+    from trainer.model import DFlashDrafter, DrafterConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=256, intermediate_size=384, vocab_size=100, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=64, block_size=4, target_layer_ids=[0, 1],
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    drafter = DFlashDrafter(cfg).cuda()
+    target = Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, layer_types=["linear_attention", "full_attention"])).cuda()
+    B, S, N = 2, 45, 3
+    anchors = torch.tensor([[2, 9, 30], [0, 7, 40]], device="cuda")
+    valid = torch.ones(B, N, dtype=torch.bool, device="cuda")
+    emb = torch.randn(B, N * 4, 256, device="cuda")
+    feats = torch.randn(B, S, 512, device="cuda")
+    ids = torch.randint(0, 128, (B, S), device="cuda")
+
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = drafter(emb, feats, anchors, valid)
+            grads = torch.autograd.grad(out.float().square().sum(), list(drafter.parameters()))
+            with torch.no_grad():
+                t = target(ids).logits
+        return out.float(), grads, t.float()
+
+    ref = run()
+    undo = peers.liger_elementwise(drafter, target)
+    got = run()
+    assert rel_err(got[0], ref[0]) < 2e-2 and rel_err(got[2], ref[2]) < 2e-2
+    for a, b in zip(got[1], ref[1]):
+        assert rel_err(a.float(), b.float()) < 5e-2
+    undo.undo()
+    again = run()
+    assert torch.equal(again[0], ref[0]) and torch.equal(again[2], ref[2])
