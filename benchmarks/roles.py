@@ -97,7 +97,7 @@ def setup_27b(args, dev, dtype, log):
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False, pad_token_id=0)
     cfg = preset("default", device=str(dev), batch_size=args.batch_size or 1)  # as tok_s.setup_real
-    target = tok_s._random_qwen35_target(text, cfg, dev, dtype)
+    target = tok_s._random_qwen35_target(text, cfg, dev, dtype, elementwise=dev.type == "cuda")  # as load_target
     ds = tok_s._synthetic_dataset(text.vocab_size, 16, cfg.max_len)
     return tok_s.Setup("27b", cfg, target, ds, "random Qwen3.5-27B-like target (64 layers, 3 GDN : 1 attention, "
                        "hidden 5120, vocab 248320)")

@@ -5,17 +5,17 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
 
 - (a) ``dflash_kernels``: everything the library offers: its kernels for the drafter's block-sparse
   attention, the target's Gated DeltaNet and short conv, the fused LM head + cross-entropy
-  (``linear_cross_entropy``) as the loss, and torch's fused AdamW (``triton`` on a GPU; on a CPU the
-  same Triton kernels through Triton's interpreter);
+  (``linear_cross_entropy``) as the loss, its fused ``rms_norm`` / ``apply_rope`` / ``swiglu`` in the
+  drafter and the target (the trainer's default on a GPU; on a CPU the plain torch chains, where the
+  ops would run the interpreter), and torch's fused AdamW (``triton`` on a GPU; on a CPU the same
+  Triton kernels through Triton's interpreter);
 - (b) ``peers`` (``benchmarks/peers.py``): the drafter's attention as ``torch.compile(flex_attention)`` with a
   ``create_block_mask`` BlockMask rebuilt every step (anchors change every step), the target's GDN
   on fla and its conv on causal-conv1d where those are importable (CUDA only); the loss over the
   whole logits (``F.linear`` + fp32 ``F.cross_entropy``) and torch's default (foreach) AdamW;
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch;
-- (f) (a) plus the library's fused ``rms_norm`` / ``apply_rope`` / ``swiglu`` in the drafter
-  (``trainer.model.FUSED_OPS``) and in the target (``use_dflash_kernels(model, elementwise=True)``,
-  undone after the group); on a CPU the same as (a) (the fused ops there would run the interpreter).
-  Not in the default ``--groups``: ask for it (``--groups a,f``) for the A/B of those ops;
+- (e) (a) with the plain torch norm / RoPE / SwiGLU chains in the drafter and the target, for the A/B
+  of those ops (``--groups a,e``; not in the default);
 - (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
   (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
   (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
@@ -65,7 +65,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "c", "f")
+GROUPS = ("a", "b", "b+", "c", "e")
 
 
 def parse_args(argv=None):
@@ -75,8 +75,8 @@ def parse_args(argv=None):
                    help="repeatable; default: embedded and real on a GPU, tiny on a CPU")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
-                   "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), f ((a) with the fused "
-                   "norm/RoPE/SwiGLU ops); b+ and f are not in the default")
+                   "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
+                   "norm/RoPE/SwiGLU chains); b+ and e are not in the default")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
@@ -114,8 +114,9 @@ def _synthetic_dataset(vocab: int, n: int, length: int, seed: int = 0):
     return Dataset(seqs, DataStats(records=n, kept=n))
 
 
-def _random_qwen35_target(text_cfg, cfg, dev, dtype):
-    """A random-weight Qwen3.5 hybrid built directly on ``dev`` (no files), routed through dflash_kernels."""
+def _random_qwen35_target(text_cfg, cfg, dev, dtype, elementwise: bool = False):
+    """A random-weight Qwen3.5 hybrid built directly on ``dev`` (no files), routed through dflash_kernels
+    (its norms / MLPs / RoPE too with ``elementwise``; tok_s routes those per group instead)."""
     from transformers import Qwen3_5ForCausalLM
 
     from dflash_kernels.integrations.transformers import use_dflash_kernels
@@ -130,7 +131,7 @@ def _random_qwen35_target(text_cfg, cfg, dev, dtype):
             model = Qwen3_5ForCausalLM(text_cfg)
     finally:
         torch.set_default_dtype(prev)
-    use_dflash_kernels(model)
+    use_dflash_kernels(model, elementwise=elementwise)
     ids = cfg.target_layer_ids or default_target_layer_ids(text_cfg.num_hidden_layers, cfg.num_target_layers)
     return Target(model, None, ids)
 
@@ -186,7 +187,8 @@ def setup_embedded(args, dev, dtype, log):
         log(f"tok_s: the embedded default is not built yet: building it now into {paths['root']} "
             f"(python -m trainer.build_default; minutes on a CPU, once)")
         ensure(cfg.cache_dir, device=str(dev), log=log)
-    target = load_target(paths["target"], cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype)
+    target = load_target(paths["target"], cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype,
+                         elementwise=False)  # routed per group (run_group)
     ds = load_jsonl(paths["train"], target.tokenizer, cfg.max_len, cfg.block_size, vocab_size=target.vocab_size,
                     log=log)
     return Setup("embedded", cfg, target, ds, f"embedded default ({paths['root']})")
@@ -199,12 +201,12 @@ SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
-    if group in ("a", "f"):
+    if group in ("a", "e"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
-                "loss": "fused", "adamw": "fused"}
-        if group == "f":
-            plan.update(label="(f) (a) + fused norm/RoPE/SwiGLU", elementwise=True)
+                "loss": "fused", "adamw": "fused", "elementwise": True}
+        if group == "e":
+            plan.update(label="(e) (a) with eager norm/RoPE/SwiGLU", elementwise=False)
         return plan
     if group == "c":
         return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
@@ -301,24 +303,26 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
 
 def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3,
               profile: int = 0, log=print) -> dict:
-    """One group's row (``_run_group``); group (f) on a GPU runs with the fused elementwise ops switched
-    on in the drafter and routed in the target for its duration only."""
-    args = (setup, group, steps, warmup, dev, dtype, reference_steps, profile, log)
-    plan = group_plan(group, dev)
-    if plan.get("peer_loss") or plan.get("liger_elementwise"):
-        return _run_plus_group(plan, *args)
-    if not plan.get("elementwise") or dev.type != "cuda":
-        return _run_group(*args)
+    """One group's row (``_run_group``). Every group sets the drafter's norm / RoPE / SwiGLU path
+    (``trainer.model.FUSED_OPS``) for its duration: the fused ops where the plan has ``elementwise`` and
+    the device is a GPU ((a): the trainer's default there), routed in the target too; the plain
+    torch chains otherwise ((b), (c), (e); a CPU, where the ops would run the interpreter)."""
     import trainer.model as drafter_model
     from dflash_kernels.integrations.transformers import use_dflash_kernels
 
+    args = (setup, group, steps, warmup, dev, dtype, reference_steps, profile, log)
+    plan = group_plan(group, dev)
+    fused = bool(plan.get("elementwise")) and dev.type == "cuda"
     before = drafter_model.FUSED_OPS
-    drafter_model.FUSED_OPS = True
-    routing = use_dflash_kernels(setup.target.model, elementwise=True)
+    drafter_model.FUSED_OPS = fused
+    routing = use_dflash_kernels(setup.target.model, elementwise=True) if fused else None
     try:
+        if plan.get("peer_loss") or plan.get("liger_elementwise"):
+            return _run_plus_group(plan, *args)
         return _run_group(*args)
     finally:
-        routing.undo()
+        if routing is not None:
+            routing.undo()
         drafter_model.FUSED_OPS = before
 
 
@@ -354,6 +358,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
                profile: int = 0, log=print) -> dict:
     """Build a fresh drafter (same seed for every group), set the backends, time the training step."""
     import dflash_kernels as dk
+    import trainer.model as drafter_model
     from trainer.data import batch_at
     from trainer.target import resolve_mask_token_id
     from trainer.common import build_drafter, lr_lambda
@@ -381,7 +386,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     if "build" in _PLUS_HOOK:
         _PLUS_HOOK["undo"] = _PLUS_HOOK.pop("build")(drafter)
     cfg = dataclasses.replace(cfg, loss=plan["loss"])
-    row["elementwise"] = "fused" if plan.get("elementwise") and dev.type == "cuda" else "eager"
+    row["elementwise"] = "fused" if drafter_model.FUSED_OPS else "eager"
     fused_adamw = plan["adamw"] == "fused" and dev.type == "cuda"
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
                             fused=fused_adamw, foreach=None if fused_adamw else dev.type == "cuda")
@@ -440,7 +445,7 @@ def parse_groups(text: str) -> list:
     groups = [g.strip() for g in text.split(",") if g.strip()]
     for g in groups:
         if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c and/or f")
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c and/or e")
     if "b+" in groups and "b" not in groups[:groups.index("b+")]:
         raise SystemExit("--groups: b+ compares each peer piece with (b) in the same run: put b before b+")
     return groups

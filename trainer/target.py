@@ -125,11 +125,13 @@ class Target:
 
 
 def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch.float32,
-                use_kernels: bool = True) -> Target:
+                use_kernels: bool = True, elementwise=None) -> Target:
     """Load a local HF causal-LM folder (no hub access) and its tokenizer, frozen, on ``device``.
 
     With ``use_kernels`` a hybrid target's Gated DeltaNet and short-conv layers run on dflash_kernels
     (``dflash_kernels.integrations.transformers``); dense targets have none and run unchanged.
+    ``elementwise`` (default: on a CUDA device) also routes its norms, SiLU MLPs and RoPE to the fused
+    ops (``use_dflash_kernels(..., elementwise=True)``: process-wide, as transformers' functions are).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,7 +144,8 @@ def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch
     if use_kernels:
         from dflash_kernels.integrations.transformers import use_dflash_kernels
         try:
-            use_dflash_kernels(model)
+            use_dflash_kernels(model, elementwise=torch.device(device).type == "cuda" if elementwise is None
+                               else elementwise)
         except ValueError:
             pass  # no linear-attention layers (a dense target): nothing to route
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

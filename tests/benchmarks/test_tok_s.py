@@ -37,23 +37,36 @@ def test_cpu_tiny_run_prints_a_table(tmp_path):
     assert c["a_over_this"] == pytest.approx(a["tok_s"] / c["tok_s"]) and a["a_over_this"] == 1.0
 
 
-def test_group_f_is_a_with_the_fused_elementwise_ops(tmp_path):
-    # (f) is (a) with the fused norm / RoPE / SwiGLU ops; on the CPU they would run the interpreter, so
-    # there (f) runs the eager chains and says so, and computes what (a) computes.
-    plan_a, plan_f = tok_s.group_plan("a", torch.device("cuda")), tok_s.group_plan("f", torch.device("cuda"))
-    assert plan_f["elementwise"] is True and "elementwise" not in plan_a
-    assert plan_f["backends"] == plan_a["backends"] and plan_f["loss"] == plan_a["loss"] == "fused"
+def test_group_e_is_a_with_the_eager_elementwise_chains(tmp_path):
+    # (a) runs the fused norm / RoPE / SwiGLU ops on a GPU, (e) the plain chains; on the CPU both run the
+    # plain chains (the ops would run the interpreter), say so, and compute the same.
+    plan_a, plan_e = tok_s.group_plan("a", torch.device("cuda")), tok_s.group_plan("e", torch.device("cuda"))
+    assert plan_a["elementwise"] is True and plan_e["elementwise"] is False
+    assert plan_e["backends"] == plan_a["backends"] and plan_e["loss"] == plan_a["loss"] == "fused"
     out_json = tmp_path / "rows.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tok_s.py"), "--device", "cpu",
-                           "--groups", "a,f", "--steps", "1", "--warmup", "0", "--json", str(out_json)],
+                           "--groups", "a,e", "--steps", "1", "--warmup", "0", "--json", str(out_json)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     import json
     recs = {r["group"]: r for r in json.loads(out_json.read_text())["rows"]}
-    a, f = recs["(a) dflash_kernels"], recs["(f) (a) + fused norm/RoPE/SwiGLU"]
-    assert a["elementwise"] == f["elementwise"] == "eager"
-    assert f["loss_step1"] == pytest.approx(a["loss_step1"], rel=1e-6)
+    a, e = recs["(a) dflash_kernels"], recs["(e) (a) with eager norm/RoPE/SwiGLU"]
+    assert a["elementwise"] == e["elementwise"] == "eager"
+    assert e["loss_step1"] == pytest.approx(a["loss_step1"], rel=1e-6)
+
+
+def test_run_group_sets_and_restores_the_drafter_path(monkeypatch):
+    """Every group sets trainer.model.FUSED_OPS for its row (fused for (a) on a GPU only) and restores it."""
+    import trainer.model as drafter_model
+
+    seen = []
+    monkeypatch.setattr(tok_s, "_run_group", lambda *a: seen.append(drafter_model.FUSED_OPS) or {})
+    monkeypatch.setattr(drafter_model, "FUSED_OPS", "auto")
+    setup = tok_s.Setup("x", None, None, None, "")
+    for g in ("a", "e", "c"):
+        tok_s.run_group(setup, g, 1, 0, torch.device("cpu"), torch.float32)
+    assert seen == [False, False, False] and drafter_model.FUSED_OPS == "auto"
 
 
 def test_flex_peer_matches_the_reference_attention():

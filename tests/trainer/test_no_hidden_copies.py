@@ -26,8 +26,8 @@ from trainer import copy_audit as ca
 # A source this small at the real preset (bytes read + written per step) is below notice: ~12 us at 4 TB/s.
 MIN_REAL_BYTES = 50e6
 
-_EAGER = ("the plain torch chain (trainer.model.FUSED_OPS off, the default until the fused ops are measured "
-          "on a GPU: benchmarks/tok_s.py --groups a,f): fp32 math on bf16 activations")
+_EAGER = ("the plain torch chain (trainer.model.FUSED_OPS off: the default on a CPU, DFLASH_DRAFTER_FUSED=0 on a GPU; "
+          "benchmarks/tok_s.py --groups a,e is the A/B): fp32 math on bf16 activations")
 _BCAST = "; a per-row scale / per-feature weight / per-position cos-sin broadcast, which CUDA cannot vectorize"
 
 # (file, function, aten op, kind, autograd node ("" = forward), parameter cast, eager path only, reason)
