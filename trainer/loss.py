@@ -7,11 +7,12 @@ a draft is accepted only up to its first miss). The loss is the weighted mean ov
 """
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["position_weights", "block_inputs", "block_labels", "dflash_loss", "dflash_head_loss",
+__all__ = ["StepStats", "position_weights", "block_inputs", "block_labels", "dflash_loss", "dflash_head_loss",
            "dflash_fused_head_loss"]
 
 
@@ -72,11 +73,39 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tenso
     return loss, _stats(hit, counted)
 
 
-def _stats(hit: torch.Tensor, counted: torch.Tensor) -> dict:
-    """Top-1 accuracy over the counted positions, per block position, and their count."""
-    n = counted.sum()
-    per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
-    return {"acc": (hit.sum().float() / n.clamp_min(1)).item(), "acc_by_pos": per_pos.cpu(), "tokens": int(n)}
+class StepStats(Mapping):
+    """A step's ``acc`` (top-1 accuracy over the counted positions), ``acc_by_pos`` (``[bs]``, on the CPU)
+    and ``tokens`` (the counted positions), kept as device tensors until one is read: the first read
+    copies them to the host (one synchronization, at the caller's logging point), so a step that does
+    not log has none (``benchmarks/tok_s.py``; ``trainer/sync_audit.py`` checks the step for others)."""
+
+    __slots__ = ("_hits", "_n", "_per_pos", "_host")
+
+    def __init__(self, hit: torch.Tensor, counted: torch.Tensor):
+        self._n = counted.sum()
+        self._hits = hit.sum()
+        self._per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
+        self._host = None
+
+    def _values(self) -> dict:
+        if self._host is None:
+            acc = self._hits.float() / self._n.clamp_min(1)
+            self._host = {"acc": acc.item(), "acc_by_pos": self._per_pos.cpu(), "tokens": int(self._n)}
+        return self._host
+
+    def __getitem__(self, key):
+        return self._values()[key]
+
+    def __iter__(self):
+        return iter(("acc", "acc_by_pos", "tokens"))
+
+    def __len__(self):
+        return 3
+
+
+def _stats(hit: torch.Tensor, counted: torch.Tensor) -> StepStats:
+    """Top-1 accuracy over the counted positions, per block position, and their count (read lazily)."""
+    return StepStats(hit, counted)
 
 
 class _HeadCrossEntropy(torch.autograd.Function):

@@ -225,9 +225,14 @@ class DFlashDrafter(nn.Module):
         """The block masks the layers need: ``{"full_attention": m, "sliding_attention": m}``."""
         cfg = self.config
         out = {}
+        # The anchors' range check reads a device value back (a host synchronization per step on a GPU):
+        # it runs where that is free; the trainer checks its batches' anchors on the host
+        # (trainer.step.drafter_loss) before they move to the device.
+        check = anchors.device.type == "cpu"
         for t in set(cfg.layer_types):
             window = cfg.sliding_window if t == "sliding_attention" else None
-            out[t] = dk.dflash_block_mask(anchors, context_len, cfg.block_size, window=window, valid=valid)
+            out[t] = dk.dflash_block_mask(anchors, context_len, cfg.block_size, window=window, valid=valid,
+                                          check_range=check)
         return out
 
     def forward(self, block_embeds, target_hidden, anchors, valid=None, masks=None):

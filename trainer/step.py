@@ -21,8 +21,22 @@ def target_features(target: Target, batch: dict, dev) -> torch.Tensor:
     return target.features(ids)
 
 
+def _check_anchors(batch: dict):
+    """Valid anchors inside ``[0, S]``, checked on the host batch (the drafter's masks skip the device-side
+    check, a synchronization); a batch already on a GPU is the caller's."""
+    a = batch["anchors"]
+    if a.device.type != "cpu":
+        return
+    S = batch["input_ids"].shape[1]
+    bad = ((a < 0) | (a > S)) & batch["valid"].to(torch.bool)
+    if bool(bad.any()):
+        b, n = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"anchors: every valid anchor must be in [0, {S}]; got anchors[{b}, {n}] = {int(a[b, n])}")
+
+
 def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainConfig, dev, dtype):
     """The drafter half of :func:`forward_loss` (features computed elsewhere: the pipeline's target GPUs)."""
+    _check_anchors(batch)
     ids = batch["input_ids"].to(dev, non_blocking=True)
     lm = batch["loss_mask"].to(dev, non_blocking=True)
     lengths = batch["lengths"].to(dev, non_blocking=True)

@@ -57,6 +57,12 @@ class Target:
         if self._tapped:
             for i, layer in enumerate(layers):
                 layer.register_forward_hook(self._tap(i))
+        # The attention-mask mapping transformers would build for an unpadded, unpacked batch without a
+        # cache, passed ready-made (see _mask_kwargs); None: the model has no layer types to key it by.
+        types = getattr(text, "layer_types", None)
+        self._mask_types = sorted(set(types)) if types else None
+        self._no_masks = {}  # (shape, device) -> bool: the all-None mapping gives the same features
+        self._no_masks_lock = threading.Lock()
 
     def _tap(self, i):
         def hook(module, args, output):
@@ -102,13 +108,16 @@ class Target:
         the pads, so their states are exact, and the pad positions are never read by the drafter
         (anchors and labels stay inside each sequence).
         """
+        return self._features(input_ids, self._mask_kwargs(input_ids))
+
+    def _features(self, input_ids, kwargs):
         if not self._tapped:
-            out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+            out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False, **kwargs)
             return self._select(out.hidden_states)
         want = dict.fromkeys(self.layer_ids)
         self._request.want, self._request.last = want, max(self.layer_ids)
         try:
-            self.model.base_model(input_ids=input_ids, use_cache=False)
+            self.model.base_model(input_ids=input_ids, use_cache=False, **kwargs)
         except _Enough:
             pass
         else:
@@ -116,6 +125,30 @@ class Target:
         finally:
             self._request.want = None
         return torch.cat([want[i] for i in self.layer_ids], -1)
+
+    def _mask_kwargs(self, input_ids) -> dict:
+        """``{"attention_mask": {layer type: None}}`` where that gives this model the same features as
+        no mask, else ``{}``. Without a mask transformers builds the mapping itself on every forward, and
+        its packed-sequence check (``find_packed_sequence_indices``) reads a device value back: a host
+        synchronization at the start of every step. For an unpadded, unpacked batch without a cache
+        the mapping depends on the shape only (Qwen3.5's is all None: causal SDPA, unmasked GDN), so the
+        first call of a shape and device runs the forward both ways and keeps the ready-made mapping
+        only if the features are bit-identical (any other model, or an error, keeps transformers' own)."""
+        if self._mask_types is None:
+            return {}
+        key = (tuple(input_ids.shape), input_ids.device)
+        ok = self._no_masks.get(key)
+        if ok is None:
+            with self._no_masks_lock:
+                ok = self._no_masks.get(key)
+                if ok is None:
+                    kwargs = {"attention_mask": dict.fromkeys(self._mask_types)}
+                    try:
+                        ok = torch.equal(self._features(input_ids, {}), self._features(input_ids, kwargs))
+                    except Exception:  # noqa: BLE001 - a model that takes no mapping keeps its own path
+                        ok = False
+                    self._no_masks[key] = ok
+        return {"attention_mask": dict.fromkeys(self._mask_types)} if ok else {}
 
     @torch.no_grad()
     def logits_and_features(self, input_ids: torch.Tensor):

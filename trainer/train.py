@@ -132,10 +132,32 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     tty = sys.stderr.isatty()
     drafter.train()
     t_start, window = time.perf_counter(), []
+    # A step's record (loss, accuracy, gradient norm) stays on the device until the next log line,
+    # checkpoint or the end: reading it back is a host synchronization, once per interval instead of
+    # once per step. ``ms`` is then the interval's mean step time.
+    pending, t_flush = [], [time.perf_counter()]
+
+    def flush():
+        if not pending:
+            return
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.perf_counter()
+        ms = (now - t_flush[0]) * 1e3 / len(pending)
+        t_flush[0] = now
+        for rec, loss, st, gnorm in pending:
+            rec = {"step": rec["step"], "loss": loss.item(), "acc": st["acc"], "lr": rec["lr"],
+                   "grad_norm": float(gnorm), "tokens": rec["tokens"], "epoch": rec["epoch"],
+                   "tau_est": expected_accept_length(st["acc_by_pos"]), "ms": ms}
+            history.append(rec)
+            window.append(rec)
+            mf.write(json.dumps(rec) + "\n")
+        mf.flush()
+        pending.clear()
+
     ctx = dk.strict() if dev.type == "cuda" else contextlib.nullcontext()
     with ctx, mf:
         while step < total:
-            t0 = time.perf_counter()
             batch = batch_at(ds, step, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed, pad_id)
             fault_point("drafter", 0, step)
             loss, st = forward_loss(batch, target, drafter, cfg, dev, dtype)
@@ -145,27 +167,20 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
-            rec = {"step": step, "loss": loss.item(), "acc": st["acc"], "lr": sched.get_last_lr()[0],
-                   "grad_norm": float(gnorm), "tokens": int(batch["lengths"].sum()), "epoch": batch["epoch"],
-                   "tau_est": expected_accept_length(st["acc_by_pos"])}
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            rec["ms"] = (time.perf_counter() - t0) * 1e3
-            history.append(rec)
-            window.append(rec)
-            mf.write(json.dumps(rec) + "\n")
-            mf.flush()
+            pending.append(({"step": step, "lr": sched.get_last_lr()[0], "tokens": int(batch["lengths"].sum()),
+                             "epoch": batch["epoch"]}, loss.detach(), st, gnorm.detach()))
             if tty:
                 done = int(30 * step / total)
-                print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total} loss {rec['loss']:.3f}", end="",
-                      file=sys.stderr, flush=True)
-            if step % cfg.log_interval == 0 or step == total:
+                print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}", end="", file=sys.stderr, flush=True)
+            leave = bool(stop) or step == stop_after
+            if step % cfg.log_interval == 0 or step == total or leave:
+                flush()
                 if tty:
                     print(file=sys.stderr)
                 log(step_log_line(window, step, total, dev))
                 window = []
-            leave = bool(stop) or step == stop_after
             if step % cfg.save_interval == 0 or step == total or leave:
+                flush()
                 save()
             if leave:
                 break

@@ -3,7 +3,8 @@
 # ``backends`` is the submodule here; the top-level ``dflash_kernels.backends()`` is its report
 # function ``backends.backends``.
 from dflash_kernels.runtime import backends
-from dflash_kernels.runtime.backends import Op, bucket, get_backend, register_op, resolve, set_backend
+from dflash_kernels.runtime.backends import (Op, bucket, cdiv, get_backend, next_pow2, register_op, resolve,
+                                             set_backend)
 from dflash_kernels.runtime.choice import Choice
 from dflash_kernels.runtime.errors import BackendUnavailable, KernelCacheMiss
 from dflash_kernels.runtime.kernel import Config, TritonKernel, cache_info, reset_cache
@@ -16,7 +17,7 @@ if interpreting():
     interpreter_compat.apply()
 
 __all__ = [
-    "BackendUnavailable", "Choice", "Config", "Op", "bucket", "KernelCacheMiss", "TritonKernel", "backends",
+    "BackendUnavailable", "Choice", "Config", "Op", "bucket", "cdiv", "next_pow2", "KernelCacheMiss", "TritonKernel", "backends",
     "cache_dir", "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
     "reset_cache", "resolve", "set_backend", "strict",
 ]

@@ -20,7 +20,7 @@ import threading
 from dflash_kernels.runtime import settings
 from dflash_kernels.runtime.errors import BackendUnavailable
 
-__all__ = ["Op", "bucket", "configured", "register_op", "set_backend", "get_backend", "resolve", "backends",
+__all__ = ["Op", "bucket", "cdiv", "next_pow2", "configured", "register_op", "set_backend", "get_backend", "resolve", "backends",
            "BUILTIN"]
 
 BUILTIN = ("auto", "triton", "interpret", "reference")
@@ -148,6 +148,18 @@ def backends() -> dict:
         available += [n for n, m in entry["peers"].items() if _peer_available(m)]
         out[op] = {"configured": get_backend(op), "available": available}
     return out
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the host side of a launch (grids, block counts). ``triton.cdiv`` is a
+    ``ConstexprFunction`` whose Python call costs several microseconds; launchers run it on every call."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (0 for 0), as ``triton.next_power_of_2``, without its call cost."""
+    n = int(n)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def bucket(n: int, cap: int = None) -> int:

@@ -557,3 +557,36 @@ def test_reference_module_exports_each_naive_reference_under_its_names():
     assert reference.causal_conv1d_update_ref is conv_naive.naive_causal_conv1d_update
     assert reference.naive_recurrent_gated_delta_rule is gdn_naive.naive_recurrent_gated_delta_rule
     assert all(hasattr(reference, name) for name in reference.__all__)
+
+
+def test_differentiable_op_skips_autograd_when_nothing_needs_a_gradient():
+    """No grad mode or no input requiring grad: the implementation runs alone (no autograd node, the host
+    cost of a frozen model's forward); a Parameter or tensor that requires grad takes the autograd path."""
+    from dflash_kernels.runtime.autograd import differentiable_op
+
+    calls = []
+    def impl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * 2 * w
+
+    lib = torch.library.custom_op("dflash_kernels_test::double_it", mutates_args=())(impl)
+    lib.register_fake(lambda x, w: torch.empty_like(x))
+
+    def setup_context(ctx, inputs, output):
+        calls.append("setup")
+        ctx.save_for_backward(*inputs)
+
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        return dy * 2 * w, (dy * 2 * x).sum(0)
+
+    op = differentiable_op(lib, impl, setup_context, backward)
+    x, w = torch.randn(3, 4), torch.nn.Parameter(torch.randn(4))
+    with torch.no_grad():
+        y = op(x, w)
+    assert calls == [] and not y.requires_grad and y.grad_fn is None
+    y = op(x, w.detach())
+    assert calls == [] and y.grad_fn is None
+    y = op(x, w)  # a Parameter (not exactly torch.Tensor) that requires grad
+    assert calls == ["setup"] and y.requires_grad
+    (gw,) = torch.autograd.grad(y.sum(), w)
+    torch.testing.assert_close(gw, 2 * x.sum(0))

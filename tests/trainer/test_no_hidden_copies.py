@@ -66,7 +66,7 @@ ALLOWED = [
      "drafter trains in fp32 weights and bf16 GEMMs"),
     ("trainer/model.py", "*", "aten._to_copy.default", "cast", "ToCopyBackward0", True, False,
      "each weight's bf16 gradient cast to the fp32 master weight's dtype, once per step (AdamW updates fp32)"),
-    ("trainer/target.py", "Target.features", "aten.cat.default", "copy", "", False, False,
+    ("trainer/target.py", "Target._features", "aten.cat.default", "copy", "", False, False,
      "the k chosen layers' outputs side by side, the drafter's fc input [B, S, k * H] (one GEMM operand); "
      "copying each layer's output into a preallocated buffer from its tap would move the same bytes "
      "(126 MB per real step)"),

@@ -27,6 +27,8 @@ def test_features_stop_early_and_equal_the_whole_forward(model_dir, request):
     hooks = [layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i))
              for i, layer in enumerate(target.model.base_model.layers)]
     ids = _ids(target, 0)
+    target.features(_ids(target, 9))  # a shape's first call also checks the ready-made mask mapping
+    ran.clear()
     got = target.features(ids)
     assert ran == [0, 1, 2], f"layers run by features(): {ran}"  # none past the deepest needed one
     ran.clear()
@@ -75,3 +77,30 @@ def test_a_second_target_on_the_same_model_is_independent(tiny_qwen35_dir):
     ids = _ids(first, 2)
     assert torch.equal(second.features(ids), _whole_forward_features(second, ids))
     assert torch.equal(first.features(ids), _whole_forward_features(first, ids))
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_qwen35_dir", "tiny_qwen3_dir"])
+def test_the_ready_made_mask_mapping_is_checked_once_per_shape(model_dir, request):
+    """features() passes transformers the attention-mask mapping it would build itself (so the forward has
+    no packed-sequence check, a host synchronization), only after the first call of a shape found the
+    features bit-identical both ways; a model where they differ keeps its own masks."""
+    from trainer import sync_audit as sa
+
+    target = load_target(request.getfixturevalue(model_dir), layer_ids=[0, 2], use_kernels=False)
+    ids = _ids(target, 0)
+    want = _whole_forward_features(target, ids)
+    assert torch.equal(target.features(ids), want)
+    assert target._no_masks == {(tuple(ids.shape), ids.device): True}
+    logger = sa.SyncLogger()
+    with logger:
+        got = target.features(_ids(target, 1))
+    assert not logger.points, [p.where() for p in logger.points]
+    assert torch.equal(got, _whole_forward_features(target, _ids(target, 1)))
+    with logger:
+        _whole_forward_features(target, ids)  # transformers' own path does synchronize
+    assert logger.points
+    target._no_masks.clear()
+    real = target._features
+    target._features = lambda x, kw: real(x, kw) + (1 if kw else 0)  # the mapping changes the result
+    target.features(ids)
+    assert target._no_masks == {(tuple(ids.shape), ids.device): False}

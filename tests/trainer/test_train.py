@@ -103,3 +103,25 @@ def test_configs_saved_with_chunked_loss_still_load():
     assert TrainConfig.from_dict({**old, "chunked_loss": False}).loss == "logits"
     with pytest.raises(ValueError, match="loss"):
         preset("tiny", loss="fast")
+
+
+def test_fused_elementwise_ops_train_the_same_trajectory(tmp_path, tiny_qwen3_dir, counting_data, monkeypatch):
+    """The drafter's fused RMSNorm / RoPE / SwiGLU (the default on a GPU) against its plain torch chains (the
+    path before them): the same losses, accuracies and weights over a run, up to fp32 rounding."""
+    import trainer.model as model_mod
+
+    quiet = lambda s: None  # noqa: E731
+    calls = []
+    real = model_mod.fused_swiglu
+    monkeypatch.setattr(model_mod, "fused_swiglu", lambda *a: calls.append(1) or real(*a))
+    runs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(model_mod, "FUSED_OPS", fused)
+        runs[fused] = train(tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path / str(fused), steps=6), log=quiet)
+    assert calls, "the fused run called no fused op"
+    for r, g in zip(runs[False], runs[True], strict=True):
+        assert abs(r["loss"] - g["loss"]) <= 1e-4 * abs(r["loss"]) and abs(r["acc"] - g["acc"]) <= 1e-3, (r, g)
+    wa = torch.load(tmp_path / "False" / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / "True" / "checkpoint.pt", weights_only=False)["model"]
+    for k, v in wa.items():
+        assert (wb[k] - v).abs().max() <= 1e-3 * v.abs().max().clamp_min(1e-6), k

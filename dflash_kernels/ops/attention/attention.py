@@ -3,14 +3,13 @@
 import math
 
 import torch
-import triton
 
 from dflash_kernels.ops.attention.checks import check_attention_inputs, check_kernel_grid
 from dflash_kernels.ops.attention.kernels import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
                                                   attention_bwd_preprocess_kernel, attention_fwd_kernel)
 from dflash_kernels.ops.attention.mask import dflash_block_mask
-from dflash_kernels.runtime import Op, alloc, bucket, register_precompile
-from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 
 __all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd"]
 
@@ -30,7 +29,7 @@ def _row_tiling(q_block: int, G: int, D: int):
     for d in range(1, G + 1):
         if G % d == 0 and q_block * d <= max_rows:
             GH = d
-    BM = max(16, triton.next_power_of_2(q_block * GH))
+    BM = max(16, next_pow2(q_block * GH))
     return GH, BM
 
 
@@ -52,7 +51,7 @@ def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scal
     lse = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     NC = G // meta["GH"]
     attention_fwd_kernel(
-        lambda m: (triton.cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, o, lse, segments, seg_count, tiles,
+        lambda m: (cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, o, lse, segments, seg_count, tiles,
         Tq, Tk, NG, MS, MB, Hq, Hkv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
@@ -67,7 +66,7 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
     D = meta["D"]
     delta = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     attention_bwd_preprocess_kernel(
-        lambda m: (triton.cdiv(Tq, m["BT"]), B * Hq), o, do, delta, Tq, Hq,
+        lambda m: (cdiv(Tq, m["BT"]), B * Hq), o, do, delta, Tq, Hq,
         o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         bucket=(bucket(Tq), 1), D=D)
     dq = alloc.empty_like(q)
@@ -77,10 +76,10 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     attention_bwd_dq_kernel(
-        lambda m: (triton.cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
+        lambda m: (cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
         Tq, Tk, NG, MS, MB, Hq, Hkv, *strides, scale * LOG2E, scale,
         bucket=(bucket(Tq), bucket(Tk)), **meta)
-    NKV = triton.cdiv(Tk, kv_tile)
+    NKV = cdiv(Tk, kv_tile)
     attention_bwd_dkdv_kernel(
         lambda m: (NKV * m["SPLIT"], B * Hkv), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full,
         rev_entries, tiles, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, *strides, scale * LOG2E, scale,
@@ -128,8 +127,11 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+_bwd_op_eager = eager_call(_bwd_op)  # the plain function outside torch.compile
+
+
 def _backward(ctx, do, dlse):
-    dq, dk, dv = _bwd_op(do, *ctx.saved_tensors, *ctx.meta)
+    dq, dk, dv = _bwd_op_eager(do, *ctx.saved_tensors, *ctx.meta)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 

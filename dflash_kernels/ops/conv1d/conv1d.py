@@ -14,14 +14,14 @@
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from dflash_kernels.ops.conv1d import cuda
 from dflash_kernels.ops.conv1d.checks import check_conv1d_inputs, check_conv1d_update_inputs, is_channel_last
 from dflash_kernels.ops.conv1d.kernels import (BWD_CHUNK, BWD_CHUNK_MIN, conv1d_bwd_kernel, conv1d_fwd_kernel,
                                                conv1d_update_kernel)
-from dflash_kernels.runtime import Choice, Op, alloc, backends, bucket, register_precompile, settings
-from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime import (Choice, Op, alloc, backends, bucket, cdiv, next_pow2, register_precompile,
+                                    settings)
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd",
            "causal_conv1d_update_fwd"]
@@ -128,7 +128,7 @@ def _triton_fwd(x, weight, bias, seq_idx, initial_states, silu: bool, return_fin
     final = alloc.empty((B, D, W - 1) if return_final_states else (0,), dtype=x.dtype, device=x.device)
     init = initial_states if initial_states is not None else x
     seq = seq_idx if seq_idx is not None else x
-    conv1d_fwd_kernel(lambda m: (triton.cdiv(T, m["BT"]), triton.cdiv(D, m["BD"]), B),
+    conv1d_fwd_kernel(lambda m: (cdiv(T, m["BT"]), cdiv(D, m["BD"]), B),
          x, weight, bias if bias is not None else weight, seq, init, y, final if return_final_states else y,
          T, D, x.stride(0), x.stride(1), x.stride(2),
          init.stride(0), init.stride(1), init.stride(2), seq.stride(0),
@@ -153,12 +153,12 @@ def _triton_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, silu: bool
     df = dfinal if dfinal is not None else x
 
     # Partial dweight/dbias rows, one per chunk of times (kernels.py: BWD_CHUNK).
-    chunk = max(BWD_CHUNK_MIN, min(BWD_CHUNK, triton.next_power_of_2(T)))
-    n_chunks = triton.cdiv(T, chunk)
+    chunk = max(BWD_CHUNK_MIN, min(BWD_CHUNK, next_pow2(T)))
+    n_chunks = cdiv(T, chunk)
     dw_part = alloc.empty((B * n_chunks, D, W), device=x.device, dtype=torch.float32)
     db_part = alloc.empty((B * n_chunks, D), device=x.device, dtype=torch.float32) if bias is not None else dw_part
     dinit = alloc.empty((B, D, W - 1), device=x.device, dtype=init.dtype) if initial_states is not None else dw_part
-    conv1d_bwd_kernel(lambda m: (n_chunks, triton.cdiv(D, m["BD"]), B), x, weight, bias if bias is not None else weight,
+    conv1d_bwd_kernel(lambda m: (n_chunks, cdiv(D, m["BD"]), B), x, weight, bias if bias is not None else weight,
          seq, init, dy, df, dx, dw_part, db_part, dinit,
          T, D, n_chunks, chunk, x.stride(0), x.stride(1), x.stride(2),
          init.stride(0), init.stride(1), init.stride(2), seq.stride(0),
@@ -180,7 +180,7 @@ def _triton_update(x, conv_state, weight, bias, silu: bool, cache_seqlens=None, 
     S = conv_state.shape[2]
     W = weight.shape[1]
     y = alloc.empty_like(x)
-    conv1d_update_kernel(lambda m: (triton.cdiv(D, m["BD"]), B),
+    conv1d_update_kernel(lambda m: (cdiv(D, m["BD"]), B),
             x, conv_state, weight, bias if bias is not None else weight, y,
             cache_seqlens if cache_seqlens is not None else y,
             conv_state_indices if conv_state_indices is not None else y,
@@ -232,6 +232,9 @@ def _setup_context(ctx, inputs, output):
     ctx.return_final_states = return_final_states
 
 
+_bwd_op_eager = eager_call(_bwd_op)  # the plain function outside torch.compile
+
+
 def _backward(ctx, dy, dfinal):
     x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
     if not ctx.return_final_states:
@@ -241,7 +244,7 @@ def _backward(ctx, dy, dfinal):
         # subclasses) goes through the custom op, which the graph can hold.
         dx, dweight, dbias, dinit = causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
     else:
-        dx, dweight, dbias, dinit = _bwd_op(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
+        dx, dweight, dbias, dinit = _bwd_op_eager(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
     return (dx, dweight, dbias if bias is not None else None, None,
             dinit if initial_states is not None else None, None, None)
 

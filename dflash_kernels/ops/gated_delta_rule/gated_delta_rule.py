@@ -14,7 +14,6 @@ the op's backends (``runtime.Op``): the kernels, the fp32 recurrence of ``naive.
 from typing import Optional
 
 import torch
-import triton
 
 from dflash_kernels.ops.gated_delta_rule.checks import check_gdn_inputs, check_kernel_grid, pop_fla_kwargs
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import gdn_bwd_local_kernel, gdn_bwd_state_kernel
@@ -22,8 +21,8 @@ from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_scan_kernel
                                                              gdn_fwd_solve_kernel, gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_kernel, gdn_l2norm_fwd_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_recurrent import gdn_recurrent_fwd_kernel
-from dflash_kernels.runtime import Op, alloc, bucket, register_precompile, settings
-from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule_fwd",
            "chunk_gated_delta_rule_bwd"]
@@ -37,7 +36,7 @@ _gdn_recurrent = _gdn.function("fused_recurrent_gated_delta_rule")
 
 
 def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_pow2(n))
 
 
 def _varlen_layout(cu_seqlens, B, T, device, cu_seqlens_cpu=None, chunk_indices=None):
@@ -49,7 +48,7 @@ def _varlen_layout(cu_seqlens, B, T, device, cu_seqlens_cpu=None, chunk_indices=
     is cu_seqlens copied to the host (a synchronization, as fla's prepare_chunk_indices).
     """
     if cu_seqlens is None:
-        return B, B * triton.cdiv(T, BT), None, None, None
+        return B, B * cdiv(T, BT), None, None, None
     cu = cu_seqlens.to(torch.int32)
     if chunk_indices is not None:
         counts = (cu[1:] - cu[:-1] + (BT - 1)) // BT
@@ -69,7 +68,7 @@ def _varlen_layout(cu_seqlens, B, T, device, cu_seqlens_cpu=None, chunk_indices=
 def _layout(B, T, cu, indices, offsets):
     """The layout tuple of ``_varlen_layout`` from the tensors the custom ops carry."""
     if cu is None:
-        return B, B * triton.cdiv(T, BT), None, None, None
+        return B, B * cdiv(T, BT), None, None, None
     return cu.numel() - 1, indices.shape[0], cu, indices, offsets
 
 
@@ -84,7 +83,7 @@ def l2norm_fwd(x: torch.Tensor):
     R = x.numel() // D
     y = alloc.empty_like(x)
     rstd = alloc.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    gdn_l2norm_fwd_kernel(lambda m: (triton.cdiv(R, m["BR"]),), x, y, rstd, R, L2NORM_EPS,
+    gdn_l2norm_fwd_kernel(lambda m: (cdiv(R, m["BR"]),), x, y, rstd, R, L2NORM_EPS,
                           bucket=(bucket(R),), D=D, BD=_block(D))
     return y, rstd
 
@@ -95,7 +94,7 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     D = x.shape[-1]
     R = x.numel() // D
     dx = alloc.empty(x.shape, dtype=out_dtype, device=x.device)
-    gdn_l2norm_bwd_kernel(lambda m: (triton.cdiv(R, m["BR"]),), x, rstd, dy.contiguous(), dx, R,
+    gdn_l2norm_bwd_kernel(lambda m: (cdiv(R, m["BR"]),), x, rstd, dy.contiguous(), dx, R,
                           bucket=(bucket(R),), D=D, BD=_block(D), G=group)
     return dx
 
@@ -144,7 +143,7 @@ def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale:
     B, T, Hk, K = k.shape
     Hv, V = u.shape[2], u.shape[3]
     N, cu, offsets = layout[0], layout[2], layout[4]
-    kernel(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, h0, h, v_new, o, final_state, cu,
+    kernel(lambda m: (cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, h0, h, v_new, o, final_state, cu,
            offsets, T, scale, bucket=(bucket(N * Hv),), HAS_H0=h0 is not None, OUTPUT=o is not None, HK=Hk,
            HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None, STATE_V_FIRST=state_v_first,
            **({"SAVE": True} if o is not None and h is not None else {}))
@@ -224,7 +223,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     dh0 = alloc.empty(initial_state.shape, dtype=torch.float32, device=q.device) if has_h0 else None
     if dht is not None:
         dht = dht.float().contiguous()
-    gdn_bwd_state_kernel.of(q)(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, w, gcum, do, dht, dh, dv_new,
+    gdn_bwd_state_kernel.of(q)(lambda m: (cdiv(V, m["BV"]), N * Hv), q, k, w, gcum, do, dht, dh, dv_new,
                                dh0, cu, offsets, T, scale, bucket=(bucket(N * Hv),), HAS_DHT=dht is not None,
                                HAS_H0=has_h0, STATE_V_FIRST=state_v_first, **consts)
 
@@ -281,7 +280,7 @@ def _(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices
     Hv, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if save_states:  # never with cu_seqlens: the chunk count is B * ceil(T / BT)
-        saved = (q.new_empty(B, T, Hv, K), q.new_empty(B * triton.cdiv(T, BT), Hv, K, V), q.new_empty(B, T, Hv, V))
+        saved = (q.new_empty(B, T, Hv, K), q.new_empty(B * cdiv(T, BT), Hv, K, V), q.new_empty(B, T, Hv, V))
     else:
         saved = (q.new_empty(0), q.new_empty(0), q.new_empty(0))
     state = (N, Hv, V, K) if state_v_first else (N, Hv, K, V)
@@ -328,12 +327,15 @@ def _setup_context(ctx, inputs, output):
     ctx.state_v_first = state_v_first
 
 
+_gdn_chunk_bwd_op_eager = eager_call(_gdn_chunk_bwd_op)  # the plain function outside torch.compile
+
+
 def _backward(ctx, do, dht, dA, dgcum, dw, dh, dv_new):
     (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
      A, gcum, w, h, v_new) = ctx.saved_tensors
     if not ctx.output_final_state:
         dht = None  # the public function dropped the final state: nothing flows back through it
-    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _gdn_chunk_bwd_op(
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _gdn_chunk_bwd_op_eager(
         q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, chunk_indices, chunk_offsets, A, gcum, do, dht,
         ctx.scale, ctx.use_qk_l2norm, w, h, v_new, ctx.beta_mode, ctx.state_v_first)
     dh0 = None if initial_state is None else dh0.to(initial_state.dtype)
@@ -358,7 +360,7 @@ def _gdn_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o = alloc.empty(B, T, Hv, V, dtype=v.dtype, device=q.device)
     final_state = alloc.empty(N, Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32, device=q.device)
     cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
-    gdn_recurrent_fwd_kernel(lambda m: (triton.cdiv(V, m["BV"]), N * Hv), q, k, v, g, beta, A_log, dt_bias,
+    gdn_recurrent_fwd_kernel(lambda m: (cdiv(V, m["BV"]), N * Hv), q, k, v, g, beta, A_log, dt_bias,
                              initial_state, o, final_state, cu, T, scale, L2NORM_EPS, bucket=(N * Hv,), HK=Hk,
                              HV=Hv, K=K, V=V, BK=_block(K), IS_VARLEN=cu is not None,
                              HAS_H0=initial_state is not None, L2NORM=use_qk_l2norm, GATE=A_log is not None,

@@ -35,13 +35,12 @@ import os
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from dflash_kernels.ops.linear_cross_entropy.checks import check_arguments, check_label_range
 from dflash_kernels.ops.linear_cross_entropy.kernels import linear_ce_rows
 from dflash_kernels.ops.linear_cross_entropy import naive
-from dflash_kernels.runtime import Op, alloc, bucket
-from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime import Op, alloc, bucket, cdiv
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 from dflash_kernels.runtime.precompile import register_precompile
 
 __all__ = ["linear_cross_entropy", "linear_ce_forward", "chunk_rows", "CHUNK_BYTES", "CHUNK_ROWS_MULTIPLE"]
@@ -71,7 +70,7 @@ def _row_pass(logits, labels, weights, loss, lse, argmax, ignore_index: int, sof
     rows, V = logits.shape
     if rows == 0:
         return
-    linear_ce_rows(lambda m: (triton.cdiv(rows, m["BR"]),), logits, labels,
+    linear_ce_rows(lambda m: (cdiv(rows, m["BR"]),), logits, labels,
                    weights if weights is not None else loss, loss, lse, argmax if argmax is not None else lse,
                    rows, V, logits.stride(0), ignore_index, float(softcap) if softcap is not None else 1.0,
                    bucket=(bucket(V),), HAS_WEIGHTS=weights is not None, SOFTCAP=softcap is not None,
@@ -267,6 +266,9 @@ def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(dx if need_dx else None, dw if need_dw else None, db if need_db else None)
 
 
+_bwd_op_eager = eager_call(_bwd_op)  # the plain function outside torch.compile
+
+
 def _backward(ctx, g_loss, g_lse, g_argmax, g_dx, g_dw, g_db):
     nothing = (None,) * 12
     if g_loss is None:
@@ -274,7 +276,7 @@ def _backward(ctx, g_loss, g_lse, g_argmax, g_dx, g_dw, g_db):
     ignore_index, reduction, softcap, need_dx, need_dw, need_db = ctx.options
     if ctx.deferred:
         hidden, weight, bias, labels, weights = ctx.saved_tensors
-        dx, dw, db = _bwd_op(g_loss, hidden, weight, bias, labels, weights, ignore_index, softcap,
+        dx, dw, db = _bwd_op_eager(g_loss, hidden, weight, bias, labels, weights, ignore_index, softcap,
                              need_dx, need_dw, need_db)
     else:
         dx, dw, db = ctx.saved_tensors

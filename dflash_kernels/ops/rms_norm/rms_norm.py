@@ -11,13 +11,12 @@ weights under bf16 autocast); ``y`` in ``x``'s dtype, the weight gradient in ``w
 from typing import Tuple
 
 import torch
-import triton
 
 from dflash_kernels.ops.rms_norm.checks import check_rms_norm
 from dflash_kernels.ops.rms_norm.kernels import (NARROW_D, rms_norm_bwd_narrow, rms_norm_bwd_wide,
                                                  rms_norm_fwd_narrow, rms_norm_fwd_wide)
-from dflash_kernels.runtime import Op, alloc, bucket
-from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 from dflash_kernels.runtime.precompile import register_precompile
 
 __all__ = ["rms_norm", "rms_norm_fwd", "rms_norm_bwd"]
@@ -50,8 +49,8 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     rstd = alloc.empty((N,), dtype=torch.float32, device=x.device)
     if N:
         kernel = rms_norm_fwd_narrow if D <= NARROW_D else rms_norm_fwd_wide
-        kernel(lambda m: (triton.cdiv(N, m["BM"]),), x, weight, y, rstd, N, x.stride(0), y.stride(0), eps, offset,
-               bucket=(bucket(N, cap=1 << 16),), D=D, BD=triton.next_power_of_2(D))
+        kernel(lambda m: (cdiv(N, m["BM"]),), x, weight, y, rstd, N, x.stride(0), y.stride(0), eps, offset,
+               bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D))
     return y, rstd
 
 
@@ -63,9 +62,9 @@ def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool):
     partial = alloc.empty((P, D), dtype=torch.float32, device=x.device) if need_dw else None
     if N:
         kernel = rms_norm_bwd_narrow if D <= NARROW_D else rms_norm_bwd_wide
-        kernel((P,), dy, x, weight, rstd, dx, partial if need_dw else rstd, N, triton.cdiv(N, P), dy.stride(0),
+        kernel((P,), dy, x, weight, rstd, dx, partial if need_dw else rstd, N, cdiv(N, P), dy.stride(0),
                x.stride(0), dx.stride(0), offset, bucket=(bucket(N, cap=1 << 16),), D=D,
-               BD=triton.next_power_of_2(D), HAS_DW=need_dw)
+               BD=next_pow2(D), HAS_DW=need_dw)
     dw = None
     if need_dw:
         dw = (partial.sum(0) if N else torch.zeros(D, dtype=torch.float32, device=x.device)).to(weight.dtype)
@@ -106,6 +105,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, weight, rstd)
 
 
+_bwd_op_eager = eager_call(_bwd_op)  # the plain function outside torch.compile
+
+
 def _backward(ctx, dy, _drstd):
     if dy is None:
         return None, None, None, None
@@ -113,7 +115,7 @@ def _backward(ctx, dy, _drstd):
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if not (need_dx or need_dw):
         return None, None, None, None
-    dx, dw = _bwd_op(dy, x, weight, rstd, ctx.offset, need_dw)
+    dx, dw = _bwd_op_eager(dy, x, weight, rstd, ctx.offset, need_dw)
     return (dx if need_dx else None), (dw if need_dw else None), None, None
 
 

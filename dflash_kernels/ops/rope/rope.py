@@ -6,12 +6,11 @@ gradient: they come from integer positions). ``reference``: ``naive.py``'s fp32 
 """
 
 import torch
-import triton
 
 from dflash_kernels.ops.rope.checks import check_rope
 from dflash_kernels.ops.rope.kernels import rope_kernel
-from dflash_kernels.runtime import Op, alloc, bucket
-from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 from dflash_kernels.runtime.precompile import register_precompile
 
 __all__ = ["apply_rope", "rope_launch"]
@@ -27,11 +26,11 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward:
     R = cos.shape[-1]
     y = alloc.empty((B, T, H, D), dtype=x.dtype, device=x.device)
     if y.numel():
-        bp = triton.next_power_of_2(D - R) if D > R else 0
-        rope_kernel(lambda m: (triton.cdiv(T, m["BT"]), B), x, cos, sin, y, T, x.stride(0), x.stride(1), x.stride(2),
+        bp = next_pow2(D - R) if D > R else 0
+        rope_kernel(lambda m: (cdiv(T, m["BT"]), B), x, cos, sin, y, T, x.stride(0), x.stride(1), x.stride(2),
                     cos.stride(0), cos.stride(1), y.stride(0), y.stride(1), y.stride(2),
-                    bucket=(bucket(B * T, cap=1 << 16),), H=H, D=D, R=R, BH=triton.next_power_of_2(H),
-                    BR=triton.next_power_of_2(R // 2), BP=bp, BACKWARD=backward)
+                    bucket=(bucket(B * T, cap=1 << 16),), H=H, D=D, R=R, BH=next_pow2(H),
+                    BR=next_pow2(R // 2), BP=bp, BACKWARD=backward)
     return y
 
 
@@ -69,11 +68,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(cos, sin)
 
 
+_bwd_op_eager = eager_call(_bwd_op)  # the plain function outside torch.compile
+
+
 def _backward(ctx, dy):
     if dy is None or not ctx.needs_input_grad[0]:
         return None, None, None
     cos, sin = ctx.saved_tensors
-    return _bwd_op(dy, cos, sin), None, None
+    return _bwd_op_eager(dy, cos, sin), None, None
 
 
 _fwd = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)

@@ -9,12 +9,11 @@ in place; its gradient is one ``[..., 2C]`` tensor written by the same kernel.
 from typing import Tuple
 
 import torch
-import triton
 
 from dflash_kernels.ops.swiglu.checks import check_swiglu, check_swiglu_packed
 from dflash_kernels.ops.swiglu.kernels import swiglu_bwd_kernel, swiglu_fwd_kernel
-from dflash_kernels.runtime import Op, alloc, bucket
-from dflash_kernels.runtime.autograd import differentiable_op
+from dflash_kernels.runtime import Op, alloc, bucket, cdiv
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 from dflash_kernels.runtime.precompile import register_precompile
 
 __all__ = ["swiglu", "swiglu_packed", "swiglu_fwd", "swiglu_bwd"]
@@ -25,7 +24,7 @@ _op_packed = _op.function("swiglu_packed")
 
 
 def _grid(N, C):
-    return lambda m: (triton.cdiv(N, m["BM"]), triton.cdiv(C, m["BC"]))
+    return lambda m: (cdiv(N, m["BM"]), cdiv(C, m["BC"]))
 
 
 def swiglu_fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -82,11 +81,14 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
+_bwd_op_eager = eager_call(_bwd_op)  # the plain function outside torch.compile
+
+
 def _backward(ctx, dy):
     if dy is None or not any(ctx.needs_input_grad):
         return None, None
     gate, up = ctx.saved_tensors
-    dgate, dup = _bwd_op(dy, gate, up)
+    dgate, dup = _bwd_op_eager(dy, gate, up)
     return (dgate if ctx.needs_input_grad[0] else None), (dup if ctx.needs_input_grad[1] else None)
 
 
@@ -120,11 +122,14 @@ def _(dy, x):
     return x.new_empty(x.shape)
 
 
+_packed_bwd_op_eager = eager_call(_packed_bwd_op)  # the plain function outside torch.compile
+
+
 def _packed_backward(ctx, dy):
     if dy is None or not ctx.needs_input_grad[0]:
         return (None,)
     (x,) = ctx.saved_tensors
-    return (_packed_bwd_op(dy, x),)
+    return (_packed_bwd_op_eager(dy, x),)
 
 
 _packed_fwd = differentiable_op(_packed_fwd_op, _packed_fwd_impl, _setup_context, _packed_backward)

@@ -1,0 +1,93 @@
+"""Where a training step waits for the device: host synchronizations inside the step.
+
+A ``.item()``, ``bool(t)``, ``int(t)`` or ``float(t)`` of a device tensor, and every op whose output
+size depends on the data (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` without an
+output size), blocks the host until the GPU has caught up: the queue drains and the kernels after it
+start only as fast as the host can launch them. :class:`SyncLogger` is a ``TorchDispatchMode`` that
+records those aten ops with the repository frames that issued them; :func:`sync_points` runs one step
+of the trainer's path (``forward_loss`` -> backward -> clip -> fused AdamW, as ``benchmarks/tok_s.py``)
+under it on the CPU (the batch is made before, as the data loader does). On the CPU a ``.cpu()`` or
+``.tolist()`` of a tensor is free and does not dispatch, so those are not seen here.
+``tests/trainer/test_no_host_sync.py`` keeps the step free of them outside a short allow-list.
+"""
+
+import dataclasses
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trainer.copy_audit import _frames_from_stack
+
+__all__ = ["SYNC_OPS", "SyncPoint", "SyncLogger", "sync_points"]
+
+# aten overload packets that read device data back to the host
+SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "masked_select", "unique", "_unique",
+            "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "bincount", "histc"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPoint:
+    op: str
+    frames: tuple  # trainer.copy_audit.Frame, outermost first
+
+    def where(self) -> str:
+        return " < ".join(str(f) for f in reversed(self.frames)) or "?"
+
+
+class SyncLogger(TorchDispatchMode):
+    """Records every aten op of :data:`SYNC_OPS` (``repeat_interleave`` only without ``output_size``)."""
+
+    def __init__(self, frames: int = 6):
+        super().__init__()
+        self.frames = frames
+        self.points = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS and not (name == "repeat_interleave" and kwargs.get("output_size") is not None):
+            self.points.append(SyncPoint(str(func), _frames_from_stack(self.frames)))
+        return func(*args, **kwargs)
+
+
+def sync_points(setup, dtype=torch.bfloat16, backend="reference", warmup: int = 1):
+    """The :class:`SyncPoint` list of one training step after ``warmup`` unlogged ones (``setup`` as
+    ``trainer.copy_audit.audit_step``'s: ``(cfg, target, dataset)``)."""
+    import dflash_kernels as dk
+    from trainer.common import build_drafter
+    from trainer.data import batch_at
+    from trainer.step import forward_loss
+
+    cfg, target, ds = setup
+    dev = target.device
+    ops = ("attention", "gdn", "conv1d", "linear_cross_entropy", "rms_norm", "rope", "swiglu")
+    before = {op: dk.get_backend(op) for op in ops}
+    for op in ops:
+        dk.set_backend(op, backend)
+    try:
+        mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.vocab_size - 1
+        drafter = build_drafter(cfg, target, mask_id).to(dev)
+        drafter.train()
+        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                weight_decay=cfg.weight_decay, fused=True)
+
+        def step(batch):
+            loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        def batch(i):
+            return batch_at(ds, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
+
+        for i in range(warmup):
+            step(batch(i))
+        b = batch(warmup)
+        logger = SyncLogger()
+        with logger:
+            step(b)
+        return logger.points
+    finally:
+        for op, name in before.items():
+            dk.set_backend(op, name)
