@@ -175,9 +175,9 @@ def liger_elementwise(drafter, target_model) -> _Undo:
     """Liger Kernel's RMSNorm, RoPE and SwiGLU in the drafter and its RMSNorm and SwiGLU MLP in the
     target (``apply_liger_kernel_to_qwen3_5(model=...)``: Liger has no RoPE for Qwen3.5's hybrid
     attention). Returns the undo. Drafter: RMSNorm as ``liger_rms_norm(..., casting_mode="gemma")``
-    (fp32 throughout, as the drafter's own), ``liger_rope`` on q and the draft keys together (one
-    table) and on the context keys with a one-head stand-in for its second tensor, SwiGLU as
-    ``LigerSiLUMulFunction``."""
+    (fp32 throughout, as the drafter's own), ``liger_rope`` (the attention's ``rotate``) on q and the
+    draft keys together (one table) and on the context keys with a one-head stand-in for its second
+    tensor, SwiGLU as ``LigerSiLUMulFunction``."""
     import types
 
     import trainer.model as tm
@@ -197,19 +197,10 @@ def liger_elementwise(drafter, target_model) -> _Undo:
         q, k = liger_rope(q.transpose(1, 2), k.transpose(1, 2), cos[:, :, 0], sin[:, :, 0])
         return q.transpose(1, 2), k.transpose(1, 2)
 
-    def attn_forward(self, x, ctx, rope_q, rope_ctx, mask):
-        B, Tq, _ = x.shape
-        S = ctx.shape[1]
-        q = self.q_norm(self.q_proj(x).view(B, Tq, self.Hq, self.D))
-        kx = self.k_norm(self.k_proj(x).view(B, Tq, self.Hkv, self.D))
-        vx = self.v_proj(x).view(B, Tq, self.Hkv, self.D)
-        kc = self.k_norm(self.k_proj(ctx).view(B, S, self.Hkv, self.D))
-        vc = self.v_proj(ctx).view(B, S, self.Hkv, self.D)
+    def rotate(self, q, kx, kc, rope_q, rope_ctx):
         q, kx = rope2(q, kx, *rope_q)
-        kc, _ = rope2(kc, kc.new_zeros(B, S, 1, self.D), *rope_ctx)
-        k = torch.cat([kc, kx], 1).to(q.dtype)
-        v = torch.cat([vc, vx], 1).to(q.dtype)
-        return self.o_proj(self.attend(q, k, v, mask).reshape(B, Tq, self.Hq * self.D))
+        kc, _ = rope2(kc, kc.new_zeros(kc.shape[0], kc.shape[1], 1, kc.shape[3]), *rope_ctx)
+        return q, kx, kc
 
     def mlp_forward(self, x):
         return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
@@ -218,7 +209,7 @@ def liger_elementwise(drafter, target_model) -> _Undo:
         if isinstance(m, tm.RMSNorm):
             m.forward = types.MethodType(norm_forward, m)
         elif isinstance(m, tm.Attention):
-            m.forward = types.MethodType(attn_forward, m)
+            m.rotate = types.MethodType(rotate, m)
         elif isinstance(m, tm.MLP):
             m.forward = types.MethodType(mlp_forward, m)
     apply_liger_kernel_to_qwen3_5(rope=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True,

@@ -36,6 +36,7 @@ by mapping each small dimension to its real one, then ranks the sources by bytes
 """
 
 import ast
+import contextlib
 import dataclasses
 import functools
 import os
@@ -46,7 +47,7 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CopyLogger", "Event", "audit_step", "aggregate", "report", "owner", "real_bytes", "shrunken_real_setup",
+__all__ = ["CopyLogger", "Event", "audit_step", "trainer_step", "aggregate", "report", "owner", "real_bytes", "shrunken_real_setup",
            "profile_sources", "profile_tok_s", "AUDIT_DIMS", "REAL_DIMS"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,16 +305,12 @@ class CopyLogger(TorchDispatchMode):
 
 
 # ------------------------------------------------------------------------------------------ the step
-def audit_step(setup, dtype=torch.bfloat16, backend="interpret", min_bytes: int = 0, steps: int = 1,
-               frames: int = 4, warmup: int = 1, all_ops: bool = False):
-    """Events of ``steps`` training steps (after ``warmup`` unlogged ones) of the trainer's path.
-
-    ``setup``: ``(cfg, target, dataset)``; the target's weights in ``dtype``. The drafter is built in fp32
-    (master weights) and runs under ``dtype`` autocast when ``dtype`` is not fp32, as on a GPU; the
-    library's ops (and the fused norm / RoPE / SwiGLU, where ``trainer.model.FUSED_OPS`` turns them on) run
-    on ``backend`` (``interpret``: the Triton kernels' own wrappers, as group (a) of ``benchmarks/tok_s.py``;
-    ``reference``: plain torch, fast). The loss is the fused LM-head CE, the optimizer torch's fused AdamW.
-    """
+@contextlib.contextmanager
+def trainer_step(setup, dtype=torch.bfloat16, backend="interpret"):
+    """``(step, batch)`` of the trainer's path on ``setup`` = ``(cfg, target, dataset)``, with the library's
+    ops on ``backend`` until the block ends: ``batch(i)`` is the data loader's batch i, ``step(b)`` one
+    step on it (``forward_loss`` -> backward -> clip -> fused AdamW) of a fresh drafter built in fp32
+    (master weights; under ``dtype`` autocast when that is lower, as on a GPU)."""
     import dflash_kernels as dk
     from trainer.common import build_drafter
     from trainer.data import batch_at
@@ -332,25 +329,41 @@ def audit_step(setup, dtype=torch.bfloat16, backend="interpret", min_bytes: int 
         opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
                                 weight_decay=cfg.weight_decay, fused=True)
 
-        def step(i):
-            batch = batch_at(ds, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
-            loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
+        def batch(i):
+            return batch_at(ds, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
+
+        def step(b):
+            loss, _ = forward_loss(b, target, drafter, cfg, dev, dtype)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss
 
-        for i in range(warmup):  # optimizer state and lazily built caches exist before the logged steps
-            step(i)
-        logger = CopyLogger(min_bytes=min_bytes, frames=frames, all_ops=all_ops)
-        with torch.autograd.set_detect_anomaly(True, check_nan=False), logger:
-            for i in range(warmup, warmup + steps):
-                step(i)
-        return logger.events
+        yield step, batch
     finally:
         for op, name in before.items():
             dk.set_backend(op, name)
+
+
+def audit_step(setup, dtype=torch.bfloat16, backend="interpret", min_bytes: int = 0, steps: int = 1,
+               frames: int = 4, warmup: int = 1, all_ops: bool = False):
+    """Events of ``steps`` training steps (after ``warmup`` unlogged ones) of the trainer's path.
+
+    ``setup``: ``(cfg, target, dataset)``; the target's weights in ``dtype``. The drafter is built in fp32
+    (master weights) and runs under ``dtype`` autocast when ``dtype`` is not fp32, as on a GPU; the
+    library's ops (and the fused norm / RoPE / SwiGLU, where ``trainer.model.FUSED_OPS`` turns them on) run
+    on ``backend`` (``interpret``: the Triton kernels' own wrappers, as group (a) of ``benchmarks/tok_s.py``;
+    ``reference``: plain torch, fast). The loss is the fused LM-head CE, the optimizer torch's fused AdamW.
+    """
+    with trainer_step(setup, dtype, backend) as (step, batch):
+        for i in range(warmup):  # optimizer state and lazily built caches exist before the logged steps
+            step(batch(i))
+        logger = CopyLogger(min_bytes=min_bytes, frames=frames, all_ops=all_ops)
+        with torch.autograd.set_detect_anomaly(True, check_nan=False), logger:
+            for i in range(warmup, warmup + steps):
+                step(batch(i))
+        return logger.events
 
 
 def aggregate(events, scale=None, depth: int = 1):

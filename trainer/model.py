@@ -158,14 +158,17 @@ class Attention(nn.Module):
         vx = self.v_proj(x).view(B, Tq, self.Hkv, self.D)
         kc = self.k_norm(self.k_proj(ctx).view(B, S, self.Hkv, self.D))
         vc = self.v_proj(ctx).view(B, S, self.Hkv, self.D)
-        q = apply_rope(q, *rope_q)
-        kx = apply_rope(kx, *rope_q)
-        kc = apply_rope(kc, *rope_ctx)
+        q, kx, kc = self.rotate(q, kx, kc, rope_q, rope_ctx)
         dtype = q.dtype
         k = torch.cat([kc, kx], 1).to(dtype)
         v = torch.cat([vc, vx], 1).to(dtype)
         o = self.attend(q, k, v, mask)
         return self.o_proj(o.reshape(B, Tq, self.Hq * self.D))
+
+    def rotate(self, q, kx, kc, rope_q, rope_ctx):
+        """RoPE of the queries and draft keys (at the draft positions) and of the context keys (benchmarks
+        swap in a peer's RoPE here)."""
+        return apply_rope(q, *rope_q), apply_rope(kx, *rope_q), apply_rope(kc, *rope_ctx)
 
     def attend(self, q, k, v, mask):
         """The attention itself, ``[B, T, H, D]`` in and out (benchmarks swap in a peer here)."""

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.copy_audit import _frames_from_stack
+from trainer.copy_audit import _frames_from_stack, trainer_step
 
 __all__ = ["SYNC_OPS", "SyncPoint", "SyncLogger", "sync_points"]
 
@@ -52,35 +52,9 @@ class SyncLogger(TorchDispatchMode):
 
 def sync_points(setup, dtype=torch.bfloat16, backend="reference", warmup: int = 1):
     """The :class:`SyncPoint` list of one training step after ``warmup`` unlogged ones (``setup`` as
-    ``trainer.copy_audit.audit_step``'s: ``(cfg, target, dataset)``)."""
-    import dflash_kernels as dk
-    from trainer.common import build_drafter
-    from trainer.data import batch_at
-    from trainer.step import forward_loss
-
-    cfg, target, ds = setup
-    dev = target.device
-    ops = ("attention", "gdn", "conv1d", "linear_cross_entropy", "rms_norm", "rope", "swiglu")
-    before = {op: dk.get_backend(op) for op in ops}
-    for op in ops:
-        dk.set_backend(op, backend)
-    try:
-        mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.vocab_size - 1
-        drafter = build_drafter(cfg, target, mask_id).to(dev)
-        drafter.train()
-        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                weight_decay=cfg.weight_decay, fused=True)
-
-        def step(batch):
-            loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        def batch(i):
-            return batch_at(ds, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
-
+    ``trainer.copy_audit.audit_step``'s: ``(cfg, target, dataset)``); the batch is made outside the
+    logger, as the data loader does."""
+    with trainer_step(setup, dtype, backend) as (step, batch):
         for i in range(warmup):
             step(batch(i))
         b = batch(warmup)
@@ -88,6 +62,3 @@ def sync_points(setup, dtype=torch.bfloat16, backend="reference", warmup: int = 
         with logger:
             step(b)
         return logger.points
-    finally:
-        for op, name in before.items():
-            dk.set_backend(op, name)
