@@ -140,7 +140,10 @@ bwd_channel_first_kernel(const DflashConvParams p, const int64_t n_tiles, const 
                 }
                 gv[c][k] *= silu_grad(pre);
             }
-            if (has_seq && sq[k + W - 1] < 0) gv[c][k] = 0.f;  // padding: a constant 0 output
+            if (has_seq && sq[k + W - 1] < 0) {  // padding: a constant 0 output, and no weight gradient
+                gv[c][k] = 0.f;                  // (0 * x would carry a non-finite x at padding into dw)
+                continue;
+            }
             const float g = gv[c][k];
             db += g;
 #pragma unroll
@@ -422,7 +425,7 @@ bwd_channel_last_kernel(const DflashConvParams p, const int64_t L, const bool ve
                     }
                     if (has_seq && sin[v] < 0) g[k] = 0.f;  // padding: a constant 0 output
                 }
-                if (u < te) {
+                if (u < te && !(has_seq && sin[v] < 0)) {  // padding adds nothing (0 * a non-finite x would)
 #pragma unroll
                     for (int k = 0; k < N; ++k) {
                         db[k] += g[k];

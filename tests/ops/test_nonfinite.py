@@ -429,9 +429,7 @@ def test_conv1d_nonfinite_stays_in_its_segment(conv_impl, spot, layout, value):
 
 
 @needs_kernels
-@pytest.mark.parametrize("conv_impl", ["triton", pytest.param("cuda", marks=pytest.mark.xfail(
-    strict=True, reason="known leak in the CUDA backward: a padding time's x reaches dweight of its channel "
-                        "through 0 * x (the padding output's gradient 0 times its own input)"))], indirect=True)
+@pytest.mark.parametrize("conv_impl", ["triton", "cuda"], indirect=True)
 @pytest.mark.parametrize("layout", ["channel_first", "channel_last"])
 def test_conv1d_nonfinite_padding_reaches_no_weight_gradient(conv_impl, layout):
     """x at a padding time (seq_idx -1) feeds no output and no gradient (causal_conv1d's docstring): a
