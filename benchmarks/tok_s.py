@@ -33,7 +33,8 @@ step's anchors), peak device memory, the first (compiling) step's seconds, the p
 build time, the first step's loss (every row starts from the same drafter and batch, so the losses
 agree when the backends compute the same thing) and ``a / this``: (a)'s tokens/s over the row's.
 ``--profile N`` adds each group's device time per category (gemm, attention, gdn, conv, loss,
-optimizer, copies/casts, norm/rope/activation, other; JSON field ``profile_ms``).
+optimizer, copies/casts, norm/rope/activation, other; JSON field ``profile_ms``) and ``device_idle_ms``: the
+step's wall time less that device time, what the GPU waits for the host per step.
 
 Presets:
 - ``embedded``: the embedded default (``python -m trainer.build_default``; built first when
@@ -434,6 +435,9 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         cats = profile_steps(lambda: train_step(next(it)), profile, dev, f"{setup.name} {row['group']}", log)
         if cats:
             row["profile_ms"] = {c: round(ms, 3) for c, ms in sorted(cats.items(), key=lambda x: -x[1])}
+            # the step's time the GPU spends waiting for the host (launches, synchronizations): the timed
+            # steps' wall time per step less the profiled steps' device time per step
+            row["device_idle_ms"] = round(row["ms_step"] - sum(cats.values()), 3)
     return row
 
 
@@ -514,6 +518,7 @@ COLUMNS = [("preset", "preset", "{}"), ("group", "group", "{}"), ("tok_s", "toke
            ("ms_step", "ms/step", "{:.1f}"), ("model_TFLOP_step", "TFLOP/step", "{:.2f}"),
            ("mfu", "MFU", "{:.1%}"), ("peak_GiB", "peak GiB", "{:.2f}"),
            ("first_step_s", "1st step s", "{:.1f}"), ("mask_ms", "mask ms", "{:.1f}"),
+           ("device_idle_ms", "GPU idle ms", "{:.1f}"),
            ("loss_step1", "loss@1", "{:.4f}"), ("a_over_this", "a / this", "{:.2f}x"), ("backends", "backends", "{}")]
 
 

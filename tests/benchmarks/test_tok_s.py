@@ -121,3 +121,12 @@ def test_profile_on_cpu_says_it_is_skipped():
     lines = []
     tok_s.profile_steps(lambda: None, 1, torch.device("cpu"), "tiny (a)", lines.append)
     assert lines == ["    profile tiny (a): skipped (the device-time breakdown needs a GPU)"]
+
+
+def test_table_shows_the_gpu_idle_time_of_profiled_rows():
+    rows = [{"preset": "real", "group": "(a) dflash_kernels", "tok_s": 18000.0, "ms_step": 168.6,
+             "device_idle_ms": 22.7},
+            {"preset": "real", "group": "(b) peers", "tok_s": 12000.0, "ms_step": 250.2}]
+    lines = tok_s.format_table(rows).splitlines()
+    col = lines[0].split(" | ").index("GPU idle ms")
+    assert lines[2].split(" | ")[col].strip() == "22.7" and lines[3].split(" | ")[col].strip() == "-"
