@@ -154,27 +154,36 @@ def plot_tok_s(path, out_dir):
     return paths
 
 
+IDLE = "GPU idle (host)"
+
+
 def step_breakdown(rows):
     """``(labels, {category: [ms per row]})`` of rows with ``profile_ms``, categories in CATEGORY_ORDER
-    (then any other category a row has), zero where a row has none."""
+    (then any other category a row has), zero where a row has none; last, :data:`IDLE`: the row's
+    ms/step less its device time (what the GPU waits for the host), where the row has ms/step."""
     cats = list(CATEGORY_ORDER) + sorted({c for r in rows for c in r["profile_ms"]} - set(CATEGORY_ORDER))
     cats = [c for c in cats if any(r["profile_ms"].get(c) for r in rows)]
-    return ([f"{r['preset']}\n{r['group']}" for r in rows],
-            {c: [float(r["profile_ms"].get(c, 0.0)) for r in rows] for c in cats})
+    per_cat = {c: [float(r["profile_ms"].get(c, 0.0)) for r in rows] for c in cats}
+    idle = [max(float(r["ms_step"]) - sum(r["profile_ms"].values()), 0.0) if isinstance(r.get("ms_step"), (int, float))
+            else 0.0 for r in rows]
+    if any(idle):
+        per_cat[IDLE] = idle
+    return [f"{r['preset']}\n{r['group']}" for r in rows], per_cat
 
 
 def _plot_step_breakdown(ax, rows):
     labels, per_cat = step_breakdown(rows)
     bottom = [0.0] * len(rows)
     for cat, values in per_cat.items():
-        ax.bar(range(len(rows)), values, bottom=bottom, label=cat)
+        ax.bar(range(len(rows)), values, bottom=bottom, label=cat,
+               **({"color": "white", "edgecolor": "black", "hatch": "//"} if cat == IDLE else {}))
         bottom = [b + v for b, v in zip(bottom, values)]
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.1f} ms", (x, total), ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("device ms per step (profile)")
-    ax.set_title("where a step's device time goes")
+    ax.set_ylabel("ms per step: device time (profile) + GPU idle")
+    ax.set_title("where a step's time goes")
     ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 

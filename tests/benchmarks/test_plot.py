@@ -52,6 +52,8 @@ def test_step_breakdown_orders_categories_and_fills_missing_ones():
     assert labels == ["real\n(a)", "real\n(b)"]
     assert list(per_cat) == ["gemm", "loss", "copies/casts", "odd"]  # CATEGORY_ORDER, then the rest
     assert per_cat["gemm"] == [80.0, 85.0] and per_cat["loss"] == [0.0, 15.0] and per_cat["odd"] == [1.0, 0.0]
+    rows[0]["ms_step"], rows[1]["ms_step"] = 110.0, 90.0  # (a): 101 ms on the device, (b): 100 (more than the step)
+    assert plot.step_breakdown(rows)[1][plot.IDLE] == [9.0, 0.0]
 
 
 def test_tok_s_chart_renders_mfu_and_the_breakdown(tmp_path):
