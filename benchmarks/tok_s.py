@@ -394,7 +394,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     row["loss_path"], row["adamw"] = cfg.loss, "fused" if fused_adamw else "foreach"
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup + steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     drafter.train()
-    tokens, flops, t_timed = 0, 0.0, None
+    tokens, timed, t_timed = 0, [], None
 
     def train_step(i):
         batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
@@ -422,9 +422,10 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
             row["first_step_s"] = time.perf_counter() - t0
         if i >= warmup:
             tokens += int(batch["lengths"].sum())
-            flops += step_flops(target.model, drafter, batch)["total"]
+            timed.append(batch)  # its FLOPs are counted after the clock stops (host work, not the step's)
     _sync(dev)
     elapsed = time.perf_counter() - t_timed
+    flops = sum(step_flops(target.model, drafter, b)["total"] for b in timed)
     row.update(steps=steps, tokens_per_step=tokens // max(steps, 1), tok_s=tokens / elapsed,
                ms_step=elapsed / steps * 1e3, model_TFLOP_step=flops / steps / 1e12, mfu=mfu(flops, elapsed))
     row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")
