@@ -333,18 +333,18 @@ def _run_plus_group(plan, setup, *args):
     import trainer.step as step_mod
 
     before = step_mod.dflash_head_loss
-    undo = None
+    undos = []
+
+    def on_drafter(drafter):
+        if plan.get("liger_elementwise"):
+            undos.append(liger_elementwise(drafter, setup.target.model))
     try:
         if plan.get("peer_loss"):
             step_mod.dflash_head_loss = peer_head_loss(plan["peer_loss"])
-        if plan.get("liger_elementwise"):
-            _PLUS_HOOK["build"] = lambda drafter: liger_elementwise(drafter, setup.target.model)
-        row = _run_group(setup, *args)
+        row = _run_group(setup, *args, on_drafter=on_drafter)
     finally:
         step_mod.dflash_head_loss = before
-        undo = _PLUS_HOOK.pop("undo", None)
-        _PLUS_HOOK.pop("build", None)
-        if undo is not None:
+        for undo in undos:
             undo.undo()
     row["elementwise"] = "liger" if plan.get("liger_elementwise") else row.get("elementwise", "eager")
     if plan.get("peer_loss"):
@@ -352,12 +352,10 @@ def _run_plus_group(plan, setup, *args):
     return row
 
 
-_PLUS_HOOK = {}  # (b+) rows: patches that need the row's fresh drafter
-
-
 def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, reference_steps: int = 3,
-               profile: int = 0, log=print) -> dict:
-    """Build a fresh drafter (same seed for every group), set the backends, time the training step."""
+               profile: int = 0, log=print, on_drafter=None) -> dict:
+    """Build a fresh drafter (same seed for every group; ``on_drafter(drafter)`` sees it first), set the
+    backends, time the training step."""
     import dflash_kernels as dk
     import trainer.model as drafter_model
     from trainer.data import batch_at
@@ -384,8 +382,8 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
                                               else target.vocab_size - 1)
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     flex = FlexDrafterAttention(drafter) if plan["flex"] else None
-    if "build" in _PLUS_HOOK:
-        _PLUS_HOOK["undo"] = _PLUS_HOOK.pop("build")(drafter)
+    if on_drafter is not None:
+        on_drafter(drafter)
     cfg = dataclasses.replace(cfg, loss=plan["loss"])
     row["elementwise"] = "fused" if drafter_model.FUSED_OPS else "eager"
     fused_adamw = plan["adamw"] == "fused" and dev.type == "cuda"

@@ -200,3 +200,35 @@ def test_liger_elementwise_drafter_and_target_then_undone():
     undo.undo()
     again = run()
     assert torch.equal(again[0], ref[0]) and torch.equal(again[2], ref[2])
+
+
+def test_plus_rows_patch_for_the_row_only(monkeypatch):
+    """A (b+) row swaps the peer loss into the step and Liger's ops into the row's fresh drafter, and
+    undoes both after the row, also when it fails."""
+    import types
+
+    import trainer.step as step_mod
+
+    original = step_mod.dflash_head_loss
+    events = []
+    monkeypatch.setattr(tok_s, "peer_head_loss", lambda name: f"peer:{name}")
+    monkeypatch.setattr(tok_s, "liger_elementwise", lambda drafter, model: types.SimpleNamespace(
+        undo=lambda: events.append(("undo", drafter))))
+
+    def fake_run_group(setup, *args, on_drafter=None):
+        events.append(("loss", step_mod.dflash_head_loss))
+        on_drafter("drafter")
+        if setup.note == "fail":
+            raise RuntimeError("boom")
+        return {}
+
+    monkeypatch.setattr(tok_s, "_run_group", fake_run_group)
+    setup = tok_s.Setup("x", None, types.SimpleNamespace(model=None), None, "")
+    plan = {"peer_loss": "liger", "liger_elementwise": True}
+    row = tok_s._run_plus_group(plan, setup)
+    assert events == [("loss", "peer:liger"), ("undo", "drafter")] and step_mod.dflash_head_loss is original
+    assert row == {"elementwise": "liger", "loss_path": "liger"}
+    events.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        tok_s._run_plus_group(plan, tok_s.Setup("x", None, types.SimpleNamespace(model=None), None, "fail"))
+    assert events[-1] == ("undo", "drafter") and step_mod.dflash_head_loss is original
