@@ -17,7 +17,7 @@ if interpreting():
     interpreter_compat.apply()
 
 __all__ = [
-    "BackendUnavailable", "Choice", "Config", "Op", "bucket", "cdiv", "next_pow2", "KernelCacheMiss", "TritonKernel", "backends",
-    "cache_dir", "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
+    "BackendUnavailable", "Choice", "Config", "Op", "bucket", "cdiv", "next_pow2", "KernelCacheMiss", "TritonKernel",
+    "backends", "cache_dir", "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
     "reset_cache", "resolve", "set_backend", "strict",
 ]

@@ -20,8 +20,8 @@ import threading
 from dflash_kernels.runtime import settings
 from dflash_kernels.runtime.errors import BackendUnavailable
 
-__all__ = ["Op", "bucket", "cdiv", "next_pow2", "configured", "register_op", "set_backend", "get_backend", "resolve", "backends",
-           "BUILTIN"]
+__all__ = ["Op", "bucket", "cdiv", "next_pow2", "configured", "register_op", "set_backend", "get_backend", "resolve",
+           "backends", "BUILTIN"]
 
 BUILTIN = ("auto", "triton", "interpret", "reference")
 
