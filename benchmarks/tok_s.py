@@ -275,6 +275,19 @@ def category(name: str) -> str:
     return "other"
 
 
+def kernel_ms(events, n: int) -> dict:
+    """``{kernel name: device ms per step}`` from a profile of ``n`` steps: the device events only, less
+    the record_function ranges (e.g. torch's ``Optimizer.step#AdamW.step``), which also show on the device
+    timeline spanning the kernels they launched and would count those kernels twice."""
+    cuda = torch.autograd.DeviceType.CUDA
+    ranges = {e.name for e in events if e.device_type != cuda}
+    kernels = {}
+    for e in events:
+        if e.device_type == cuda and e.name not in ranges and not getattr(e, "is_user_annotation", False):
+            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / n
+    return kernels
+
+
 def profile_steps(step, n: int, dev, label: str, log) -> dict:
     """Run ``step`` n times under torch.profiler; log device ms per step by category and the top kernels.
     Returns ``{category: device ms per step}`` (empty off the GPU)."""
@@ -287,10 +300,7 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
         for _ in range(n):
             step()
         _sync(dev)
-    kernels = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / n
+    kernels = kernel_ms(prof.events(), n)
     total = sum(kernels.values())
     cats = {}
     for name, ms in kernels.items():

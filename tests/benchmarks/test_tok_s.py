@@ -123,6 +123,22 @@ def test_profile_on_cpu_says_it_is_skipped():
     assert lines == ["    profile tiny (a): skipped (the device-time breakdown needs a GPU)"]
 
 
+def test_kernel_times_leave_out_record_function_ranges():
+    """A record_function range shows on the device timeline too (torch's ``Optimizer.step#AdamW.step``
+    around the fused AdamW kernel): counted, its kernels would count twice (the H200's 21:46 profile)."""
+    from types import SimpleNamespace as E
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    events = [E(name="Optimizer.step#AdamW.step", device_type=cpu, device_time_total=0.0),
+              E(name="Optimizer.step#AdamW.step", device_type=cuda, device_time_total=9340.0),
+              E(name="multi_tensor_apply_kernel<FusedAdamW>", device_type=cuda, device_time_total=9260.0),
+              E(name="nvjet_sm90_tst_192x192", device_type=cuda, device_time_total=2000.0),
+              E(name="nvjet_sm90_tst_192x192", device_type=cuda, device_time_total=2000.0),
+              E(name="my_range", device_type=cuda, device_time_total=500.0, is_user_annotation=True),
+              E(name="aten::mm", device_type=cpu, device_time_total=0.0)]
+    assert tok_s.kernel_ms(events, 2) == {"multi_tensor_apply_kernel<FusedAdamW>": 4.63,
+                                          "nvjet_sm90_tst_192x192": 2.0}
+
+
 def test_table_shows_the_gpu_idle_time_of_profiled_rows():
     rows = [{"preset": "real", "group": "(a) dflash_kernels", "tok_s": 18000.0, "ms_step": 168.6,
              "device_idle_ms": 22.7},

@@ -258,7 +258,7 @@ def test_one_group_per_program(monkeypatch):
     from dflash_kernels.runtime import Config
     kernels = (attention_kernels.attention_fwd_kernel, attention_kernels.attention_bwd_dq_kernel,
                attention_kernels.attention_bwd_dkdv_kernel)
-    for kern, cfg in zip(kernels, (Config(BN=16, GPB=1), Config(BN=16, GPB=1), Config(EPI=1, SPLIT=1))):
+    for kern, cfg in zip(kernels, (Config(BN=16, GPB=1), Config(BN=16, GPB=1), Config(EPI=1, SPLIT=1, QM=0))):
         monkeypatch.setattr(kern, "interpret_config", cfg)
         kern.reset()
     try:
@@ -273,13 +273,15 @@ def test_one_group_per_program(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="on the GPU the tuner picks the configs")
+@pytest.mark.parametrize("qm", [0, 1], ids=["keys_m", "rows_m"])
 @pytest.mark.parametrize("epi", [1, 2])
-def test_dkdv_on_half_key_tiles(monkeypatch, epi):
+def test_dkdv_on_half_key_tiles(monkeypatch, epi, qm):
     """SPLIT=2: each dk/dv program covers half of an index tile and walks that tile's entries (a
-    partial last tile and a half past the end of the keys included)."""
+    partial last tile and a half past the end of the keys included); with the keys (QM=0) or the
+    row tile (QM=1, transposed accumulators) on the matmuls' M side."""
     from dflash_kernels.runtime import Config
     kern = attention_kernels.attention_bwd_dkdv_kernel
-    monkeypatch.setattr(kern, "interpret_config", Config(EPI=epi, SPLIT=2))
+    monkeypatch.setattr(kern, "interpret_config", Config(EPI=epi, SPLIT=2, QM=qm))
     kern.reset()
     try:
         anchors = torch.tensor([[0, 30, 31, 12, 20], [33, 7, 16, 17, 2]])

@@ -16,7 +16,8 @@ Forward and dq programs run in reverse group order: with anchors sorted along th
 trainer samples them) the last groups see the longest contexts, and starting them first keeps the
 last wave of programs short.
 
-The dk/dv kernel runs per key tile over the reverse index (mask.py), unmasked entries first.
+The dk/dv kernel runs per key tile over the reverse index (mask.py), unmasked entries first, with
+the keys (QM=0) or the row tiles (QM=1, transposed dk / dv accumulators) on the matmuls' M side.
 
 Softmax runs in base 2: scores are multiplied by ``scale * log2(e)`` once so that ``exp2`` (one
 instruction) replaces ``exp``; the stored lse is converted back to the natural log.
@@ -320,12 +321,42 @@ def _dkdv_step(dk, dv, kt, vt, q, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile
 
 
 @triton.jit
+def _dkdv_step_qm(dkT, dvT, kt, vt, q, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile, tiles, qk_scale,
+                  BQ: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr, MASK: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """``_dkdv_step`` with the row tile on the matmuls' M side: scores [BM, BN] and the transposed
+    accumulators dk^T, dv^T [D, BN] (M = D). A BN = 32 key tile then still gives Hopper's warpgroup
+    MMA its 64-row M, and the accumulators take half the registers of a [BN, D] pair at BN = 64."""
+    s = tl.dot(q, tl.trans(kt), input_precision=DOT_PREC) * qk_scale  # [BM, BN]
+    p = tl.math.exp2(s - lse2[:, None])
+    if MASK:
+        vis = _visible(t, kv, q0, lo, hi, shift, tile, tiles, BQ, TW, HAS_TILES)
+        p = tl.where(vis, p, 0.0)
+        # As in _dkdv_step: finite do in the dot, NaN set afterwards on the keys whose rows saw a
+        # non-finite do (the transposed _poison_seen: hit^T = bad^T @ vis).
+        bad = (tl.abs(do_) < float("inf")) == 0  # NaN compares False too
+        dvT += tl.dot(tl.trans(tl.where(bad, 0.0, do_)), p.to(do_.dtype), input_precision=DOT_PREC)
+        if tl.sum(tl.sum(bad.to(tl.int32), 1), 0) > 0:
+            hit = tl.dot(tl.trans(bad.to(tl.float16)), vis.to(tl.float16), out_dtype=tl.float32)
+            dvT = tl.where(hit > 0.0, float("nan"), dvT)
+    else:
+        dvT += tl.dot(tl.trans(do_), p.to(do_.dtype), input_precision=DOT_PREC)
+    dp = tl.dot(do_, tl.trans(vt), input_precision=DOT_PREC)  # [BM, BN]
+    ds = p * (dp - dlt[:, None])
+    if MASK:
+        ds = tl.where(vis, ds, 0.0)
+        q = tl.where(tl.abs(q) < float("inf"), q, 0.0)
+    dkT += tl.dot(tl.trans(q), ds.to(q.dtype), input_precision=DOT_PREC)
+    return dkT, dvT
+
+
+@triton.jit
 def _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_start, e_stop,
                   b64, bm, kvh, kv, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
                   stride_dob, stride_dot, stride_doh, qk_scale,
                   D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr, BM: tl.constexpr,
                   EPI: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr, MASK: tl.constexpr,
-                  DOT_PREC: tl.constexpr):
+                  DOT_PREC: tl.constexpr, QM: tl.constexpr):
     """Entries ``[e_start, e_stop)`` of the reverse index, EPI at a time: the row tiles of EPI entries are
     stacked into one ``EPI * BM``-row operand so each matmul is EPI times wider (each row keeps its own
     entry's segment for the element mask)."""
@@ -352,8 +383,12 @@ def _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, ti
             h = kvh * G + c * GH + rr % GH
             qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb,
                                             stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, D)
-            dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
-                                  tiles, qk_scale, BQ, TW, HAS_TILES, MASK, DOT_PREC)
+            if QM:
+                dka, dva = _dkdv_step_qm(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
+                                         tiles, qk_scale, BQ, TW, HAS_TILES, MASK, DOT_PREC)
+            else:
+                dka, dva = _dkdv_step(dka, dva, kt, vt, qt, do_, lse2, dlt, kv, t, q0, lo, hi, shift, tile,
+                                      tiles, qk_scale, BQ, TW, HAS_TILES, MASK, DOT_PREC)
     return dka, dva
 
 
@@ -365,7 +400,8 @@ def _attention_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_of
                           qk_scale, sm_scale,
                           D: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
                           BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
-                          DOT_PREC: tl.constexpr, KVT: tl.constexpr, SPLIT: tl.constexpr, EPI: tl.constexpr):
+                          DOT_PREC: tl.constexpr, KVT: tl.constexpr, SPLIT: tl.constexpr, EPI: tl.constexpr,
+                          QM: tl.constexpr):
     """dk, dv of one BN-key tile of one kv head, summed over the row tiles that the reverse index lists
     for it, in the index's fixed order (no atomics: deterministic). The index lists the row tiles that
     see the whole key tile first: they run without any element mask. dk/dv have k's / v's strides.
@@ -391,8 +427,12 @@ def _attention_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_of
                  mask=kv_ok[:, None], other=0.0)
     vt = tl.load(v + b64 * stride_vb + kv[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
                  mask=kv_ok[:, None], other=0.0)
-    dka = tl.zeros([BN, D], tl.float32)
-    dva = tl.zeros([BN, D], tl.float32)
+    if QM:  # transposed accumulators (_dkdv_step_qm)
+        dka = tl.zeros([D, BN], tl.float32)
+        dva = tl.zeros([D, BN], tl.float32)
+    else:
+        dka = tl.zeros([BN, D], tl.float32)
+        dva = tl.zeros([BN, D], tl.float32)
     key_tile = bm.to(tl.int64) * NKV + pid_n // SPLIT
     e_start = tl.load(rev_offsets + key_tile)
     e_mid = e_start + tl.load(rev_full + key_tile)
@@ -400,11 +440,14 @@ def _attention_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_of
     dka, dva = _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_start, e_mid,
                              b64, bm, kvh, kv, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
                              stride_dob, stride_dot, stride_doh, qk_scale,
-                             D, G, GH, BQ, BM, EPI, TW, HAS_TILES, False, DOT_PREC)
+                             D, G, GH, BQ, BM, EPI, TW, HAS_TILES, False, DOT_PREC, QM)
     dka, dva = _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, tiles, e_mid, e_stop,
                              b64, bm, kvh, kv, Tq, NG, MS, Hq, stride_qb, stride_qt, stride_qh,
                              stride_dob, stride_dot, stride_doh, qk_scale,
-                             D, G, GH, BQ, BM, EPI, TW, HAS_TILES, True, DOT_PREC)
+                             D, G, GH, BQ, BM, EPI, TW, HAS_TILES, True, DOT_PREC, QM)
+    if QM:
+        dka = tl.trans(dka)
+        dva = tl.trans(dva)
     dk_ptrs = dk + b64 * stride_kb + kv[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
     dv_ptrs = dv + b64 * stride_vb + kv[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
     tl.store(dk_ptrs, (dka * sm_scale).to(dk.dtype.element_ty), mask=kv_ok[:, None])
@@ -431,15 +474,17 @@ attention_bwd_dq_kernel = TritonKernel(_attention_bwd_dq_kernel, name="block_spa
                                        configs=[_row_configs[4]] + _row_configs[:4] + _row_configs[5:],
                                        interpret_config=Config(BN=16, GPB=2))
 # The dk/dv kernel's key tile is the mask's kv_tile (the reverse index is built for it) or, with
-# SPLIT=2, half of it; tuned: that split, how many row tiles (EPI) one step stacks, launch options.
-# The SPLIT=2 candidates are the ones that do not spill registers at D=128 (see the kernel); a split
-# that leaves fewer than 16 keys does not compile and is no candidate.
+# SPLIT=2, half of it; tuned: that split, how many row tiles (EPI) one step stacks, which side of the
+# matmuls the keys take (QM), launch options. First: the fastest at the DFlash training shape on the
+# H200 (kv_tile 64, B=1, S=3072, 512 blocks, 32 / 8 heads, D=128: the whole backward 2.29 ms against
+# 2.76 for the fastest QM=0 candidate, 2.06 vs 2.56 with a 2048 window; benchmarks/results/README.md).
+# The QM=0 SPLIT=2 candidates are the ones that do not spill registers at D=128 (see the kernel); a
+# split that leaves fewer than 16 keys does not compile and is no candidate.
 attention_bwd_dkdv_kernel = TritonKernel(
     _attention_bwd_dkdv_kernel, name="block_sparse_attn_bwd_dkdv",
-    configs=[Config(EPI=1, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=1, SPLIT=1, num_warps=4, num_stages=3),
-             Config(EPI=2, SPLIT=1, num_warps=4, num_stages=2), Config(EPI=2, SPLIT=1, num_warps=8, num_stages=2),
-             Config(EPI=2, SPLIT=1, num_warps=8, num_stages=3), Config(EPI=1, SPLIT=2, num_warps=8, num_stages=2),
-             Config(EPI=2, SPLIT=2, num_warps=8, num_stages=2), Config(EPI=1, SPLIT=2, num_warps=4, num_stages=2)],
-    interpret_config=Config(EPI=2, SPLIT=1))  # the stacked path, odd entry counts included
+    configs=[Config(EPI=e, SPLIT=sp, QM=qm, num_warps=w, num_stages=st) for e, sp, qm, w, st in (
+        (2, 1, 1, 8, 2), (2, 1, 1, 8, 3), (1, 1, 1, 4, 2), (1, 2, 1, 4, 2), (2, 2, 1, 8, 2),
+        (1, 1, 0, 4, 2), (2, 1, 0, 8, 2), (1, 2, 0, 8, 2), (1, 2, 0, 4, 2))],
+    interpret_config=Config(EPI=2, SPLIT=1, QM=1))  # the stacked path, odd entry counts included
 attention_bwd_preprocess_kernel = TritonKernel(_attention_bwd_preprocess_kernel, name="block_sparse_attn_bwd_pre",
                                                configs=[Config(BT=64, num_warps=4)], interpret_config=Config(BT=16))
