@@ -55,6 +55,7 @@ import datetime
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -87,6 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after the timed steps, run STEPS more under torch.profiler and print where each group's "
                         "device time goes (per kernel and per category); not part of the timing")
+    p.add_argument("--profile-top", type=int, default=15, metavar="N", help="kernels listed per profiled group")
+    p.add_argument("--trace", default="", metavar="DIR",
+                   help="also write each profiled group's torch.profiler trace (Chrome JSON) into DIR")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
     return p.parse_args(argv)
 
@@ -288,6 +292,9 @@ def kernel_ms(events, n: int) -> dict:
     return kernels
 
 
+PROFILE = {"top": 15, "trace": ""}  # --profile-top, --trace
+
+
 def profile_steps(step, n: int, dev, label: str, log) -> dict:
     """Run ``step`` n times under torch.profiler; log device ms per step by category and the top kernels.
     Returns ``{category: device ms per step}`` (empty off the GPU)."""
@@ -307,8 +314,13 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
         cats[category(name)] = cats.get(category(name), 0.0) + ms
     log(f"    profile {label}: {total:.1f} device ms per step; " +
         ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda x: -x[1])))
-    for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:15]:
+    for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:PROFILE["top"]]:
         log(f"      {ms:8.2f} ms  {category(name):20s} {name[:110]}")
+    if PROFILE["trace"]:
+        os.makedirs(PROFILE["trace"], exist_ok=True)
+        path = os.path.join(PROFILE["trace"], re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".json")
+        prof.export_chrome_trace(path)
+        log(f"      trace: {path}")
     return cats
 
 
@@ -568,6 +580,7 @@ def env_info() -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    PROFILE.update(top=args.profile_top, trace=args.trace)
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         # (a) on a CPU is the library's Triton kernels through the interpreter; the switch must be

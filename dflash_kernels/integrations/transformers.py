@@ -20,8 +20,9 @@ computes (checked on the source text, so a changed formula is left alone):
   :func:`dflash_kernels.ops.rope.apply_rope` on q and k (fp32 math, one rounding; transformers rounds
   after each op in the activation dtype, so low-precision results differ by that rounding).
 
-The gated RMSNorm of the GDN layers is not routed (it rounds to the input dtype between the norm and
-the weight; no fused op has that form yet).
+- ``*RMSNormGated.forward`` of the norm-then-``weight * x_hat.to(input_dtype)``-then-SiLU-gate form (the GDN
+  layers' output norm) -> :func:`dflash_kernels.ops.rms_norm.rms_norm_gated` with ``round_normed=True``
+  (transformers' roundings, in one pass).
 
 The replacement is per modeling module, so it applies to every model of that architecture in the
 process; :meth:`KernelRouting.undo` restores transformers' functions (those that call patched).
@@ -35,6 +36,7 @@ import torch
 
 import dflash_kernels as dk
 from dflash_kernels.ops.rms_norm import rms_norm as _rms_norm
+from dflash_kernels.ops.rms_norm import rms_norm_gated as _rms_norm_gated
 from dflash_kernels.ops.rope import apply_rope as _apply_rope
 from dflash_kernels.ops.swiglu import swiglu as _swiglu
 
@@ -91,6 +93,21 @@ def _rms_norm_1p_forward(self, x):
     return _rms_norm(x, self.weight, self.eps, 1.0)
 
 
+def _rms_norm_gated_forward(self, hidden_states, gate):
+    if getattr(self, "activation", "silu") not in ("silu", "swish"):
+        return _originals[(type(self).__module__, type(self).__name__ + ".forward")](self, hidden_states, gate)
+    return _rms_norm_gated(hidden_states, gate, self.weight, self.variance_epsilon, 0.0, round_normed=True)
+
+
+# transformers' RMSNormGated (Qwen3.5 / Qwen3-Next), line by line: what rms_norm_gated(round_normed=True) computes
+_GATED_NORM_SOURCE = ("hidden_states = hidden_states.to(torch.float32)",
+                      "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+                      "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
+                      "hidden_states = self.weight * hidden_states.to(input_dtype)",
+                      "hidden_states = hidden_states * ACT2FN[self.activation](gate.to(torch.float32))",
+                      "return hidden_states.to(input_dtype)")
+
+
 def _mlp_forward(self, x):
     act = getattr(getattr(self, "config", None), "hidden_act", None)
     if act not in ("silu", "swish"):
@@ -118,6 +135,8 @@ def _elementwise_routes(module):
         src = _source(fwd)
         if name.endswith("RMSNorm") and "output * (1.0 + self.weight.float())" in src and "self._norm(x.float())" in src:
             routes.append((obj, "forward", _rms_norm_1p_forward))
+        elif name.endswith("RMSNormGated") and all(line in src for line in _GATED_NORM_SOURCE):
+            routes.append((obj, "forward", _rms_norm_gated_forward))
         elif name.endswith("MLP") and "self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))" in src:
             routes.append((obj, "forward", _mlp_forward))
     rope = getattr(module, "apply_rotary_pos_emb", None)

@@ -32,9 +32,10 @@ def model(monkeypatch):
 
 
 def _elementwise_state():
-    """The objects the elementwise routes replace: the norm and MLP forwards, apply_rotary_pos_emb."""
+    """The objects the elementwise routes replace: the norm and MLP forwards, apply_rotary_pos_emb, the
+    GDN layers' gated norm."""
     return (modeling_qwen3_5.Qwen3_5RMSNorm.forward, modeling_qwen3_5.Qwen3_5MLP.forward,
-            modeling_qwen3_5.apply_rotary_pos_emb)
+            modeling_qwen3_5.apply_rotary_pos_emb, modeling_qwen3_5.Qwen3_5RMSNormGated.forward)
 
 
 def _require_kernels():
@@ -57,7 +58,7 @@ def test_logits_and_gradients_match_transformers(model):
         for name, adapter in ADAPTERS.items():
             assert getattr(modeling_qwen3_5, name) is adapter, name
         after = _elementwise_state()
-        assert all(a is not b for a, b in zip(after, before)), "norm, MLP and RoPE are routed"
+        assert all(a is not b for a, b in zip(after, before)), "norm, MLP, RoPE and gated norm are routed"
         out = model(ids).logits
         out.square().mean().backward()
     finally:
@@ -105,8 +106,9 @@ def test_undo_reverts_only_its_own_routing(model):
 
 def _count_op_calls(monkeypatch):
     from dflash_kernels.integrations import transformers as integ
-    calls = {"rms_norm": 0, "rope": 0, "swiglu": 0}
-    for name, attr in (("rms_norm", "_rms_norm"), ("rope", "_apply_rope"), ("swiglu", "_swiglu")):
+    calls = {"rms_norm": 0, "rope": 0, "swiglu": 0, "rms_norm_gated": 0}
+    for name, attr in (("rms_norm", "_rms_norm"), ("rope", "_apply_rope"), ("swiglu", "_swiglu"),
+                       ("rms_norm_gated", "_rms_norm_gated")):
         real = getattr(integ, attr)
 
         def counting(*a, _real=real, _name=name, **k):
@@ -134,7 +136,7 @@ def test_elementwise_routes_run_the_ops_and_can_be_left_out(model, monkeypatch):
     finally:
         routing.undo()
     assert calls == {"rms_norm": 2 * cfg.num_hidden_layers + 1 + 2 * n_attn, "rope": 2 * n_attn,
-                     "swiglu": cfg.num_hidden_layers}, calls
+                     "swiglu": cfg.num_hidden_layers, "rms_norm_gated": cfg.num_hidden_layers - n_attn}, calls
     assert rel_err(out, ref) < (1e-3 if out.is_cuda else 1e-5)
     before = _elementwise_state()
     routing = use_dflash_kernels(model, elementwise=False)
@@ -143,6 +145,41 @@ def test_elementwise_routes_run_the_ops_and_can_be_left_out(model, monkeypatch):
         assert modeling_qwen3_5.causal_conv1d_fn is ADAPTERS["causal_conv1d_fn"]
     finally:
         routing.undo()
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32], ids=["w_bf16", "w_fp32"])
+def test_gated_norm_route_matches_transformers_in_bf16(wdtype):
+    """The GDN output norm routed: transformers' module in bf16 (its roundings: x_hat to bf16, the
+    product with a bf16 weight rounded too) against the routed forward, and gradients of x, gate, weight."""
+    if dk.runtime.resolve("rms_norm_gated", device()) not in ("interpret", "triton"):
+        pytest.fail("needs the Triton kernels (TRITON_INTERPRET=1 on the CPU)")
+    torch.manual_seed(1)
+    norm = modeling_qwen3_5.Qwen3_5RMSNormGated(64, eps=1e-6).to(device())
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) * 0.3 + 1.0)
+    norm = norm.to(wdtype)
+    x = (torch.randn(150, 64, device=device()) * 2).to(torch.bfloat16).requires_grad_()
+    g = (torch.randn(150, 64, device=device()) * 2).to(torch.bfloat16).requires_grad_()
+    up = torch.randn(150, 64, device=device()).to(torch.bfloat16)
+    ref = norm(x, g)
+    ref_grads = torch.autograd.grad(ref, (x, g, norm.weight), up)
+    original = modeling_qwen3_5.Qwen3_5RMSNormGated.forward
+    routing = use_dflash_kernels(Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        vocab_size=8, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=1,
+        num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=1,
+        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention"])), elementwise=True)
+    try:
+        assert modeling_qwen3_5.Qwen3_5RMSNormGated.forward is not original, "the gated norm is routed"
+        out = norm(x, g)
+        grads = torch.autograd.grad(out, (x, g, norm.weight), up)
+    finally:
+        routing.undo()
+    assert modeling_qwen3_5.Qwen3_5RMSNormGated.forward is original
+    assert out.dtype == ref.dtype == torch.bfloat16
+    # same roundings: on a GPU a rare 1-ulp flip; the interpreter's casts truncate (three of them)
+    assert rel_err(out, ref) < (2e-3 if out.is_cuda else 1.6e-2)
+    for name, a, b in zip(("x", "gate", "weight"), grads, ref_grads):
+        assert rel_err(a, b) < 1.6e-2, name
 
 
 def test_rope_adapter_matches_transformers_in_both_layouts():

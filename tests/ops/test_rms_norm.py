@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from dflash_kernels.ops.rms_norm import naive_rms_norm, rms_norm
+from dflash_kernels.ops.rms_norm import naive_rms_norm, naive_rms_norm_gated, rms_norm, rms_norm_gated
 from tests.helpers import check_close, device, rel_err, require_triton_kernels
 
 OP = "rms_norm"
@@ -63,6 +63,68 @@ def test_fp32_weight_with_low_precision_x(dtype):
     x = torch.randn(41, 96, device=device()).to(dtype)
     w = torch.rand(96, device=device()) + 0.5
     _compare(x, w, 1e-5, 0.0, dtype)
+
+
+def _compare_gated(x, g, w, eps, offset, dtype, round_normed):
+    """rms_norm_gated on (x, gate, w) against the fp32 reference on fp32 copies: y and the three
+    gradients. With ``round_normed`` y is also held to the reference run on the inputs as they are
+    (transformers' roundings, done by torch) at the dtype's tolerance."""
+    xo, go_, wo = (t.detach().clone().requires_grad_() for t in (x, g, w))
+    xr, gr, wr = (t.detach().float().requires_grad_() for t in (x, g, w))
+    y = rms_norm_gated(xo, go_, wo, eps, offset, round_normed=round_normed)
+    yr = naive_rms_norm_gated(xr, gr, wr, eps, offset)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    up = torch.randn(y.shape, device=y.device).to(dtype)
+    dx, dg, dw = torch.autograd.grad(y, (xo, go_, wo), up)
+    dxr, dgr, dwr = torch.autograd.grad(yr, (xr, gr, wr), up.float())
+    # the roundings of round_normed are 2 more of the dtype's: twice the tolerance against fp32
+    k = 2 if round_normed and dtype != torch.float32 else 1
+    check_close("y", y, yr.to(dtype), TOL[dtype][0] * k, TOL[dtype][1] * k)
+    if round_normed and dtype != torch.float32:
+        # The same roundings as torch: on a GPU only rare 1-ulp flips (rstd's last bits) remain; the Triton
+        # interpreter's fp32 -> bf16 / fp16 casts truncate instead of rounding, three times here.
+        tol = 2e-3 if y.is_cuda else 2 * TOL[dtype][0]
+        check_close("y (transformers' roundings)", y, naive_rms_norm_gated(x, g, w, eps, offset, round_normed=True),
+                    tol, 2 * tol)
+    _check("dx", dx, dxr, dtype)
+    _check("dgate", dg, dgr, dtype)
+    assert dx.dtype == x.dtype and dg.dtype == g.dtype and dw.dtype == w.dtype
+    err = rel_err(dw, dwr)
+    assert err <= TOL[dtype][0] * (1 if w.dtype == torch.float32 else 2), f"dweight: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("round_normed", [False, True], ids=["fp32", "hf_rounding"])
+@pytest.mark.parametrize("wdtype", ["x", torch.float32], ids=["w_like_x", "w32"])
+@pytest.mark.parametrize("D", [67, 600], ids=["narrow67", "wide600"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_matches_reference(dtype, D, wdtype, round_normed):
+    """The Gated DeltaNet output norm, ``rms_norm(x) * silu(gate)``, fp32 math or transformers' roundings."""
+    x = (torch.randn(3, 13, D, device=device()) * 3 + 0.5).to(dtype)
+    g = (torch.randn(3, 13, D, device=device()) * 2).to(dtype)
+    w = (torch.randn(D, device=device()) * 0.3 + 1.0).to(dtype if wdtype == "x" else wdtype)
+    _compare_gated(x, g, w, 1e-6, 0.0, dtype, round_normed)
+
+
+def test_gated_strided_inputs_and_one_gradient():
+    """A gate and x read as views (row stride 2D), and only the gate needing a gradient."""
+    base = torch.randn(40, 2 * 96, device=device())
+    x, g = base[:, :96], base[:, 96:]
+    w = torch.rand(96, device=device()) + 0.5
+    _compare_gated(x, g, w, 1e-5, 1.0, torch.float32, False)
+    gl = g.clone().requires_grad_()
+    y = rms_norm_gated(x, gl, w)
+    (dg,) = torch.autograd.grad(y, (gl,), torch.ones_like(y))
+    gr = g.clone().requires_grad_()
+    (dgr,) = torch.autograd.grad(naive_rms_norm_gated(x, gr, w), (gr,), torch.ones_like(y))
+    _check("dgate alone", dg, dgr, torch.float32)
+
+
+def test_gated_bad_gate():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match=r"gate: expected x's shape \(4, 8\), got \(4, 7\)"):
+        rms_norm_gated(x, torch.randn(4, 7), torch.randn(8))
+    with pytest.raises(TypeError, match="gate: dtype torch.int64"):
+        rms_norm_gated(x, torch.ones(4, 8, dtype=torch.long), torch.randn(8))
 
 
 def test_non_contiguous_inputs():
@@ -189,16 +251,20 @@ def test_kernel_configs_compile_for_hopper():
     from dflash_kernels.ops.rms_norm import kernels as k
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
     mod = "dflash_kernels.ops.rms_norm.kernels"
-    fwd_types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "eps": "fp32",
-                 "offset": "fp32"}
-    bwd_types = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
-                 "dw_ptr": "*fp32", "offset": "fp32"}
+    fwd_types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "g_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32",
+                 "eps": "fp32", "offset": "fp32"}
+    bwd_types = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "g_ptr": "*bf16", "rstd_ptr": "*fp32",
+                 "dx_ptr": "*bf16", "dg_ptr": "*bf16", "dw_ptr": "*fp32", "offset": "fp32"}
+    plain, gated = dict(HAS_GATE=False, ROUND=0), dict(HAS_GATE=True, ROUND=2)
     shared = []
     for fn, types, consts, configs in [
-            ("_rms_norm_fwd_kernel", fwd_types, dict(D=128, BD=128), k.FWD_NARROW_CONFIGS),
-            ("_rms_norm_fwd_kernel", fwd_types, dict(D=2560, BD=4096), k.FWD_WIDE_CONFIGS),
-            ("_rms_norm_bwd_kernel", bwd_types, dict(D=256, BD=256, HAS_DW=True), k.BWD_NARROW_CONFIGS),
-            ("_rms_norm_bwd_kernel", bwd_types, dict(D=2560, BD=4096, HAS_DW=True), k.BWD_WIDE_CONFIGS)]:
+            ("_rms_norm_fwd_kernel", fwd_types, dict(D=128, BD=128, **plain), k.FWD_NARROW_CONFIGS),
+            ("_rms_norm_fwd_kernel", fwd_types, dict(D=128, BD=128, **gated), k.FWD_NARROW_CONFIGS),
+            ("_rms_norm_fwd_kernel", fwd_types, dict(D=2560, BD=4096, **plain), k.FWD_WIDE_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=256, BD=256, HAS_DW=True, HAS_GATE=False), k.BWD_NARROW_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=128, BD=128, HAS_DW=True, HAS_GATE=True), k.BWD_NARROW_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=2560, BD=4096, HAS_DW=True, HAS_GATE=False),
+             k.BWD_WIDE_CONFIGS)]:
         shared += hopper_shared_memory(mod, fn, types, consts, [(c.num_warps, c.num_stages, c.meta) for c in configs])
     assert all(s <= H200_SHARED_MEMORY for s in shared), shared
 
@@ -221,6 +287,16 @@ def test_gpu_other_dtypes(dtype):
     x = torch.randn(4097, 2560, device="cuda").to(dtype)
     w = torch.randn(2560, device="cuda").to(dtype)
     _compare(x, w, 1e-6, 1.0, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("round_normed", [False, True], ids=["fp32", "hf_rounding"])
+def test_gpu_gated_real_size(round_normed):
+    """The target's GDN output norm at the `real` preset: 3072 tokens x 32 value heads, D = 128, bf16."""
+    x = (torch.randn(3072 * 32, 128, device="cuda") * 2).to(torch.bfloat16)
+    g = (torch.randn(3072 * 32, 128, device="cuda") * 2).to(torch.bfloat16)
+    w = (torch.randn(128, device="cuda") * 0.2 + 1.0).to(torch.bfloat16)
+    _compare_gated(x, g, w, 1e-6, 0.0, torch.bfloat16, round_normed)
 
 
 @pytest.mark.gpu

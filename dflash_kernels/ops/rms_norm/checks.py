@@ -5,7 +5,7 @@ import numbers
 
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
-__all__ = ["check_rms_norm", "MAX_D"]
+__all__ = ["check_rms_norm", "check_gate", "MAX_D"]
 
 MAX_D = 16384  # one row is one block of the kernels
 
@@ -31,3 +31,11 @@ def check_rms_norm(x, weight, eps, offset):
         raise ValueError(f"weight: expected shape [D={D}], got {tuple(weight.shape)}")
     check_same_device(x=x, weight=weight)
     return _real("eps", eps, positive=True), _real("offset", offset)
+
+
+def check_gate(x, gate):
+    """The gate of ``rms_norm_gated``: a float tensor of ``x``'s shape on its device."""
+    check_tensor("gate", gate, dtypes=FLOAT_DTYPES)
+    if gate.shape != x.shape:
+        raise ValueError(f"gate: expected x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    check_same_device(x=x, gate=gate)

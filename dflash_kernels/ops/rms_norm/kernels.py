@@ -10,6 +10,12 @@ Rows of ``D`` elements (``D`` constexpr, the whole row in one block of ``BD = ne
   accumulated per program over a contiguous range of rows and stored as one fp32 partial row per
   program; the host sums the partials (a fixed-order torch reduction): deterministic, no atomics.
 
+The gated form (``HAS_GATE``, the output norm of Gated DeltaNet layers) multiplies ``y`` by
+``silu(gate)``: ``y = n * silu(g)``, ``n = xhat * w'``; backward ``dg = dy * n * silu'(g)`` and the norm's
+backward with ``dy * silu(g)``. ``ROUND`` reproduces transformers' ``RMSNormGated`` roundings in the
+forward: 1 rounds ``xhat`` to x's dtype before the weight, 2 also rounds the product ``n`` (a weight in x's
+dtype); the backward treats the roundings as identities, as autograd does for the casts.
+
 Two tunings per kernel: narrow rows (``D <= 512``: the q/k head norms, many rows per program) and wide
 rows (the hidden-size norms, one to four rows per program).
 """
@@ -25,10 +31,18 @@ __all__ = ["rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "r
 NARROW_D = 512  # rows up to this width take the narrow tuning
 
 
+@triton.jit
+def _silu(g):
+    """SiLU in fp32 as torch computes it: ``g / (1 + exp(-g))``."""
+    return g / (1.0 + tl.exp(-g))
+
+
 @triton.jit(do_not_specialize=["N"])
-def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, eps, offset,
-                         D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr):
-    """x ``[N, D]`` (row stride ``stride_x``), w ``[D]``, y ``[N, D]`` (row stride ``stride_y``), rstd ``[N]`` fp32."""
+def _rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, N, stride_x, stride_g, stride_y, eps, offset,
+                         D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, HAS_GATE: tl.constexpr,
+                         ROUND: tl.constexpr):
+    """x ``[N, D]`` (row stride ``stride_x``), w ``[D]``, y ``[N, D]`` (row stride ``stride_y``), rstd ``[N]``
+    fp32; with ``HAS_GATE`` the gate ``[N, D]`` (row stride ``stride_g``)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     cols = tl.arange(0, BD)
@@ -38,17 +52,26 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, stride_x, stride_y, e
     x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + offset
-    y = (x * rstd[:, None]) * w[None, :]
+    xhat = x * rstd[:, None]
+    if ROUND >= 1:
+        xhat = xhat.to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = xhat * w[None, :]
+    if ROUND >= 2:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_GATE:
+        g = tl.load(g_ptr + r64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y * _silu(g)
     tl.store(y_ptr + r64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["N", "rows_per_program"])
-def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, N, rows_per_program, stride_dy, stride_x,
-                         stride_dx, offset, D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr,
-                         HAS_DW: tl.constexpr):
+def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_ptr, N, rows_per_program,
+                         stride_dy, stride_x, stride_g, stride_dx, stride_dg, offset, D: tl.constexpr,
+                         BD: tl.constexpr, BM: tl.constexpr, HAS_DW: tl.constexpr, HAS_GATE: tl.constexpr):
     """dy, x, dx ``[N, D]`` (row strides), rstd ``[N]`` fp32; dw ``[programs, D]`` fp32 partial sums
-    (``HAS_DW``). Program ``p`` handles rows ``[p * rows_per_program, (p + 1) * rows_per_program)``."""
+    (``HAS_DW``); with ``HAS_GATE`` the gate and its gradient ``[N, D]``. Program ``p`` handles rows
+    ``[p * rows_per_program, (p + 1) * rows_per_program)``."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -65,6 +88,12 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, N, rows
         x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
         xhat = x * rstd[:, None]
+        if HAS_GATE:  # y = n * silu(g): dg = dy * n * silu'(g), and the norm sees dy * silu(g)
+            g = tl.load(g_ptr + r64[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            sg = 1.0 / (1.0 + tl.exp(-g))
+            dg = dy * (xhat * w[None, :]) * (sg * (1.0 + g * (1.0 - sg)))
+            tl.store(dg_ptr + r64[:, None] * stride_dg + cols[None, :], dg.to(dg_ptr.dtype.element_ty), mask=mask)
+            dy = dy * (g * sg)
         wdy = dy * w[None, :]
         c = tl.sum(xhat * wdy, axis=1) / D
         dx = (wdy - xhat * c[:, None]) * rstd[:, None]

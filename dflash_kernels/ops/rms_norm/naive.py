@@ -2,7 +2,7 @@
 
 import torch
 
-__all__ = ["naive_rms_norm"]
+__all__ = ["naive_rms_norm", "naive_rms_norm_gated"]
 
 
 def naive_rms_norm(x, weight, eps=1e-6, offset=0.0):
@@ -11,3 +11,17 @@ def naive_rms_norm(x, weight, eps=1e-6, offset=0.0):
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (offset + weight.float())).to(x.dtype)
+
+
+def naive_rms_norm_gated(x, gate, weight, eps=1e-6, offset=0.0, round_normed=False):
+    """``naive_rms_norm(x, weight) * silu(gate)`` in fp32, returned in ``x``'s dtype. ``round_normed``:
+    transformers' ``RMSNormGated`` order of roundings (x_hat to x's dtype, times the weight in the
+    promoted dtype, then the fp32 SiLU of the gate)."""
+    xf = x.float()
+    xhat = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if round_normed:
+        w = weight + offset if offset else weight
+        n = w * xhat.to(x.dtype)
+    else:
+        n = xhat * (offset + weight.float())
+    return (n * torch.nn.functional.silu(gate.float())).to(x.dtype)

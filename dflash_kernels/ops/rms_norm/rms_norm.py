@@ -12,14 +12,14 @@ from typing import Tuple
 
 import torch
 
-from dflash_kernels.ops.rms_norm.checks import check_rms_norm
+from dflash_kernels.ops.rms_norm.checks import check_gate, check_rms_norm
 from dflash_kernels.ops.rms_norm.kernels import (NARROW_D, rms_norm_bwd_narrow, rms_norm_bwd_wide,
                                                  rms_norm_fwd_narrow, rms_norm_fwd_wide)
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2
 from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 from dflash_kernels.runtime.precompile import register_precompile
 
-__all__ = ["rms_norm", "rms_norm_fwd", "rms_norm_bwd"]
+__all__ = ["rms_norm", "rms_norm_gated", "rms_norm_fwd", "rms_norm_bwd"]
 
 OP = "rms_norm"
 _op = Op(OP)
@@ -42,33 +42,39 @@ def _unit_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- launchers
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
-    """x ``[N, D]`` (unit column stride) -> ``(y [N, D] in x's dtype, rstd [N] fp32)``."""
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, gate=None, round_mode: int = 0):
+    """x ``[N, D]`` (unit column stride) -> ``(y [N, D] in x's dtype, rstd [N] fp32)``; ``gate`` ``[N, D]``
+    (unit column stride) multiplies by ``silu(gate)``; ``round_mode`` is the kernels' ``ROUND``."""
     N, D = x.shape
     y = alloc.empty((N, D), dtype=x.dtype, device=x.device)
     rstd = alloc.empty((N,), dtype=torch.float32, device=x.device)
     if N:
         kernel = rms_norm_fwd_narrow if D <= NARROW_D else rms_norm_fwd_wide
-        kernel(lambda m: (cdiv(N, m["BM"]),), x, weight, y, rstd, N, x.stride(0), y.stride(0), eps, offset,
-               bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D))
+        kernel(lambda m: (cdiv(N, m["BM"]),), x, weight, x if gate is None else gate, y, rstd, N, x.stride(0),
+               0 if gate is None else gate.stride(0), y.stride(0), eps, offset,
+               bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D), HAS_GATE=gate is not None,
+               ROUND=round_mode)
     return y, rstd
 
 
-def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool):
-    """``(dx [N, D] in x's dtype, dw [D] in weight's dtype or None)``."""
+def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None):
+    """``(dx [N, D] in x's dtype, dw [D] in weight's dtype or None, dgate [N, D] in gate's dtype or None)``."""
     N, D = x.shape
     dx = alloc.empty((N, D), dtype=x.dtype, device=x.device)
+    dgate = None if gate is None else alloc.empty((N, D), dtype=gate.dtype, device=x.device)
     P = _bwd_programs(x.device, N)
     partial = alloc.empty((P, D), dtype=torch.float32, device=x.device) if need_dw else None
     if N:
         kernel = rms_norm_bwd_narrow if D <= NARROW_D else rms_norm_bwd_wide
-        kernel((P,), dy, x, weight, rstd, dx, partial if need_dw else rstd, N, cdiv(N, P), dy.stride(0),
-               x.stride(0), dx.stride(0), offset, bucket=(bucket(N, cap=1 << 16),), D=D,
-               BD=next_pow2(D), HAS_DW=need_dw)
+        kernel((P,), dy, x, weight, x if gate is None else gate, rstd, dx, dx if gate is None else dgate,
+               partial if need_dw else rstd, N, cdiv(N, P), dy.stride(0), x.stride(0),
+               0 if gate is None else gate.stride(0), dx.stride(0), 0 if gate is None else dgate.stride(0),
+               offset, bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D), HAS_DW=need_dw,
+               HAS_GATE=gate is not None)
     dw = None
     if need_dw:
         dw = (partial.sum(0) if N else torch.zeros(D, dtype=torch.float32, device=x.device)).to(weight.dtype)
-    return dx, dw
+    return dx, dw, dgate
 
 
 # ------------------------------------------------------------------------------------- custom ops
@@ -87,7 +93,7 @@ def _(x, weight, eps, offset):
 @torch.library.custom_op("dflash_kernels::rms_norm_bwd", mutates_args=())
 def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
             need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    dx, dw = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw)
+    dx, dw, _ = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw)
     return dx, dw if dw is not None else weight.new_empty((0,))
 
 
@@ -122,6 +128,57 @@ def _backward(ctx, dy, _drstd):
 _fwd = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
 
 
+# ------------------------------------------------------------------------ custom ops, gated form
+def _gated_fwd_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                    round_mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    return rms_norm_fwd(x, weight, eps, offset, gate=gate, round_mode=round_mode)
+
+
+_gated_fwd_op = torch.library.custom_op("dflash_kernels::rms_norm_gated_fwd", mutates_args=())(_gated_fwd_impl)
+
+
+@_gated_fwd_op.register_fake
+def _(x, gate, weight, eps, offset, round_mode):
+    return x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash_kernels::rms_norm_gated_bwd", mutates_args=())
+def _gated_bwd_op(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                  offset: float, need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, dgate = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw, gate=gate)
+    return dx, dgate, dw if dw is not None else weight.new_empty((0,))
+
+
+@_gated_bwd_op.register_fake
+def _(dy, x, gate, weight, rstd, offset, need_dw):
+    return x.new_empty(x.shape), gate.new_empty(gate.shape), weight.new_empty(weight.shape if need_dw else (0,))
+
+
+def _gated_setup_context(ctx, inputs, output):
+    x, gate, weight, eps, offset, round_mode = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)
+    ctx.offset = offset
+    ctx.save_for_backward(x, gate, weight, rstd)
+
+
+_gated_bwd_op_eager = eager_call(_gated_bwd_op)
+
+
+def _gated_backward(ctx, dy, _drstd):
+    if dy is None:
+        return None, None, None, None, None, None
+    x, gate, weight, rstd = ctx.saved_tensors
+    need_dx, need_dg, need_dw = ctx.needs_input_grad[:3]
+    if not (need_dx or need_dg or need_dw):
+        return None, None, None, None, None, None
+    dx, dgate, dw = _gated_bwd_op_eager(dy, x, gate, weight, rstd, ctx.offset, need_dw)
+    return (dx if need_dx else None), (dgate if need_dg else None), (dw if need_dw else None), None, None, None
+
+
+_gated_fwd = differentiable_op(_gated_fwd_op, _gated_fwd_impl, _gated_setup_context, _gated_backward)
+
 # ------------------------------------------------------------------------------------ public API
 @_op.impl("reference")
 def _reference(x, weight, eps, offset):
@@ -153,6 +210,45 @@ def rms_norm(x, weight, eps=1e-6, offset=0.0):
     """
     eps, offset = check_rms_norm(x, weight, eps, offset)
     return _op(x.device, x, weight, eps, offset)
+
+
+_gated_op = Op(OP + "_gated")
+
+
+@_gated_op.impl("reference")
+def _gated_reference(x, gate, weight, eps, offset, round_mode):
+    from dflash_kernels.ops.rms_norm.naive import naive_rms_norm_gated
+    return naive_rms_norm_gated(x, gate, weight, eps, offset, round_normed=round_mode > 0)
+
+
+@_gated_op.impl("triton", "interpret")
+def _gated_fast(x, gate, weight, eps, offset, round_mode):
+    D = x.shape[-1]
+    y, _ = _gated_fwd(_unit_rows(x.reshape(-1, D)), _unit_rows(gate.reshape(-1, D)), weight, eps, offset, round_mode)
+    return y.view(x.shape)
+
+
+def rms_norm_gated(x, gate, weight, eps=1e-6, offset=0.0, round_normed=False):
+    """The gated RMSNorm of Gated DeltaNet layers: ``rms_norm(x, weight, eps, offset) * silu(gate)``.
+
+    Args:
+        x: ``[..., D]``, fp32 / bf16 / fp16, any strides (rows with a unit column stride are read in place).
+        gate: ``x``'s shape, any of those dtypes; ``silu`` of it in fp32 multiplies the normed rows.
+        weight: ``[D]``, any of those dtypes. eps, offset: as :func:`rms_norm`.
+        round_normed: reproduce transformers' ``RMSNormGated`` (Qwen3.5 / Qwen3-Next): ``x_hat`` is
+            rounded to ``x``'s dtype before the weight, and the product with a weight of ``x``'s dtype
+            rounded to it, before the gate. False: fp32 throughout, one rounding (fla's form).
+
+    Returns:
+        ``y``, ``x``'s shape and dtype (contiguous). Differentiable in ``x``, ``gate`` and ``weight`` (the
+        roundings of ``round_normed`` pass gradients through unchanged, as autograd's casts do).
+    """
+    eps, offset = check_rms_norm(x, weight, eps, offset)
+    check_gate(x, gate)
+    round_mode = 0
+    if round_normed and x.dtype != torch.float32:
+        round_mode = 2 if weight.dtype == x.dtype else 1
+    return _gated_op(x.device, x, gate, weight, eps, offset, round_mode)
 
 
 # ------------------------------------------------------------------------------------- precompile
