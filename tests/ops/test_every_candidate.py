@@ -68,6 +68,7 @@ KNOWN = {
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
     "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
+    "gdn_fwd_nonfinite",
     "linear_ce_rows",
     "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
     "rope", "swiglu_fwd", "swiglu_bwd",
@@ -215,6 +216,10 @@ def _rms_norm(narrow):
         _check("y", y, yr.to(dtype), tol, row_tol)
         _check("dx", dx, dxr, tol, row_tol)
         _check("dweight", dw, dwr, 2 * tol, 2 * row_tol)  # one row: a reduction over every row of x
+        if narrow:  # the gated form (the GDN output norm) runs the same kernels with HAS_GATE
+            from tests.ops.test_rms_norm import _compare_gated
+            g = (torch.randn(shape, device="cuda") * 2).to(dtype)
+            _compare_gated(x, g, w, 1e-6, 0.0, dtype, round_normed=True)
     return run
 
 
@@ -263,7 +268,8 @@ DRIVERS = {
     **{n: _attention for n in ("block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv",
                                "block_sparse_attn_bwd_pre", "mask_rev_count", "mask_rev_fill")},
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
-    **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK] + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},
+    **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
+       + ["gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_fwd_nonfinite"]},
     "gdn_recurrent": _gdn_recurrent,
     "linear_ce_rows": _linear_cross_entropy,
     "rms_norm_fwd_narrow": _rms_norm(True), "rms_norm_bwd_narrow": _rms_norm(True),
