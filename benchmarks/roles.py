@@ -233,7 +233,7 @@ def measure_drafter(setup, heads, items, n_warm: int, n_timed: int, dev, dtype, 
     """The drafter worker's step on precomputed features: loss, backward into the flat gradient
     buffer, clip, AdamW, schedule (one replica: no gradient reduction)."""
     from trainer.common import build_drafter, lr_lambda
-    from trainer.step import drafter_loss
+    from trainer.step import clip_and_step, drafter_loss
 
     cfg, target = setup.cfg, setup.target
     mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else target.vocab_size - 1  # no tokenizer
@@ -256,8 +256,7 @@ def measure_drafter(setup, heads, items, n_warm: int, n_timed: int, dev, dtype, 
         batch, feats = items[i]
         loss, _ = drafter_loss(batch, feats, heads, drafter, cfg, dev, dtype)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
+        clip_and_step(opt, params, cfg.grad_clip)
         sched.step()
         opt.zero_grad(set_to_none=False)  # keep the views into the flat buffer
         if i == 0:

@@ -384,7 +384,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     from trainer.target import resolve_mask_token_id
     from trainer.common import build_drafter, lr_lambda
     from trainer.flops import mfu, step_flops
-    from trainer.step import forward_loss
+    from trainer.step import clip_and_step, forward_loss
 
     cfg, target = setup.cfg, setup.target
     plan = group_plan(group, dev)
@@ -420,8 +420,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
         loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        opt.step()
+        clip_and_step(opt, drafter.parameters(), cfg.grad_clip)
         sched.step()
         opt.zero_grad(set_to_none=True)
         return batch, loss

@@ -314,7 +314,7 @@ def trainer_step(setup, dtype=torch.bfloat16, backend="interpret"):
     import dflash_kernels as dk
     from trainer.common import build_drafter
     from trainer.data import batch_at
-    from trainer.step import forward_loss
+    from trainer.step import clip_and_step, forward_loss
 
     cfg, target, ds = setup
     dev = target.device
@@ -335,8 +335,7 @@ def trainer_step(setup, dtype=torch.bfloat16, backend="interpret"):
         def step(b):
             loss, _ = forward_loss(b, target, drafter, cfg, dev, dtype)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-            opt.step()
+            clip_and_step(opt, drafter.parameters(), cfg.grad_clip)
             opt.zero_grad(set_to_none=True)
             return loss
 

@@ -54,7 +54,7 @@ from trainer.rundir import DRAFTER_DIR, check_resume_config, open_metrics, prepa
 from trainer.supervise import (EXIT_FAILED, EXIT_OK, RunLog, StopRequest, Stopped, Supervisor, Watchdog, WorkerFailed,
                                fault_point, get_log, hard_exit, install_signal_handlers)
 from trainer.target import Target, load_target, resolve_mask_token_id
-from trainer.step import attention_precompile_specs, drafter_loss, target_features
+from trainer.step import attention_precompile_specs, clip_and_step, drafter_loss, target_features
 
 __all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_digest", "cli", "PipelineState"]
 
@@ -489,8 +489,7 @@ def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: 
                 flat.copy_(red, non_blocking=True)
             else:
                 flat.copy_(red)
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-            opt.step()
+            gnorm = clip_and_step(opt, params, cfg.grad_clip)
             sched.step()
             opt.zero_grad(set_to_none=False)  # keep the views into the flat buffer
             stats = red[n:].tolist()

@@ -8,7 +8,7 @@ from trainer.config import TrainConfig
 from trainer.loss import block_inputs, block_labels, dflash_head_loss, dflash_loss
 from trainer.target import Target
 
-__all__ = ["forward_loss", "target_features", "drafter_loss", "attention_precompile_specs"]
+__all__ = ["forward_loss", "target_features", "drafter_loss", "attention_precompile_specs", "clip_and_step"]
 
 
 def target_features(target: Target, batch: dict, dev) -> torch.Tensor:
@@ -81,3 +81,30 @@ def attention_precompile_specs(cfg: TrainConfig, drafter_config, dtype) -> list:
             shape["window"] = dc.sliding_window
         specs.append(("attention", shape, dtype))
     return specs
+
+
+def clip_and_step(opt: torch.optim.Optimizer, params, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_(params, max_norm)`` then ``opt.step()``; returns the total gradient norm (a device
+    tensor: nothing is read back).
+
+    With torch's fused AdamW the clip is folded into the optimizer's kernel instead of a separate pass
+    over every gradient: the kernel divides each gradient by ``grad_scale`` (the hook ``GradScaler``
+    uses), here ``1 / coef`` with clip_grad_norm_'s ``coef = min(1, max_norm / (norm + 1e-6))``. Saves one
+    read and write of all gradients (a foreach multiply, ~1 ms per step at the ``real`` preset); the
+    clipped gradients differ from clip_grad_norm_'s by a rounding (a division by 1 / coef, not a
+    multiplication by coef) and are exact when no clipping happens (coef = 1). Other optimizers:
+    clip_grad_norm_ as is."""
+    params = [p for p in params if p.grad is not None]
+    fused = all(g.get("fused") for g in opt.param_groups)
+    if not fused or max_norm <= 0 or not params:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+        return norm
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    opt.grad_scale = 1.0 / coef
+    try:
+        opt.step()
+    finally:
+        del opt.grad_scale
+    return norm

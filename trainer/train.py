@@ -49,7 +49,7 @@ from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
 from trainer.loss import expected_accept_length  # noqa: E402
 from trainer.rundir import (DRAFTER_DIR, ConfigChanged, RunDirError, check_resume_config,  # noqa: E402
                             open_metrics, prepare_run_dir)
-from trainer.step import attention_precompile_specs, forward_loss  # noqa: E402
+from trainer.step import attention_precompile_specs, clip_and_step, forward_loss  # noqa: E402
 from trainer.supervise import StopRequest, fault_point, get_log, install_signal_handlers  # noqa: E402
 from trainer.target import load_target, resolve_mask_token_id  # noqa: E402
 
@@ -162,8 +162,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
             fault_point("drafter", 0, step)
             loss, st = forward_loss(batch, target, drafter, cfg, dev, dtype)
             loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-            opt.step()
+            gnorm = clip_and_step(opt, drafter.parameters(), cfg.grad_clip)
             sched.step()
             opt.zero_grad(set_to_none=True)
             step += 1
