@@ -125,8 +125,9 @@ def plot_tok_s(path, out_dir):
             by_gpu[r.get("gpu", "?")].append(r)
     paths = []
     for gpu, rows in by_gpu.items():
+        everything = rows
         rows = latest_session(rows, lambda r: (r["preset"], r["group"]))
-        profiled = [r for r in rows if isinstance(r.get("profile_ms"), dict) and r["profile_ms"]]
+        profiled = _newest_profiles(everything, rows)
         ncols = 2 if profiled else 1
         fig, axes = plt.subplots(1, ncols, figsize=(2 + 1.6 * len(rows) + (2 + 1.3 * len(profiled) if profiled else 0),
                                                     4.5), squeeze=False)
@@ -157,6 +158,31 @@ def plot_tok_s(path, out_dir):
 IDLE = "GPU idle (host)"
 
 
+def _has_profile(r):
+    return isinstance(r.get("profile_ms"), dict) and bool(r["profile_ms"])
+
+
+def _newest_profiles(everything, newest):
+    """The breakdown's rows: per (preset, group), the newest row with a profile. The newest session's
+    groups come first; a row from an older run is marked with its date (``step_breakdown``'s label)."""
+    latest = {}
+    current = {(r["preset"], r["group"]) for r in newest}
+    for r in everything:
+        key = (r["preset"], r["group"])
+        # older runs fill in (b) and the fastest (b+) stack only (the issue's three bars)
+        wanted = key in current or r["group"] == "(b) peers" or r.get("b_plus_best")
+        if wanted and _has_profile(r) and (key not in latest or r.get("date", "") > latest[key].get("date", "")):
+            latest[key] = r
+    order = [(r["preset"], r["group"]) for r in newest] + sorted(set(latest) - {(r["preset"], r["group"]) for r in newest})
+    date = max((r.get("date", "") for r in newest), default="")
+    out = []
+    for key in order:
+        if key in latest:
+            r = latest[key]
+            out.append(r if r.get("date", "") == date else dict(r, label_date=r.get("date", "")[:16].replace("T", " ")))
+    return out
+
+
 def step_breakdown(rows):
     """``(labels, {category: [ms per row]})`` of rows with ``profile_ms``, categories in CATEGORY_ORDER
     (then any other category a row has), zero where a row has none; last, :data:`IDLE`: the row's
@@ -168,7 +194,7 @@ def step_breakdown(rows):
             else 0.0 for r in rows]
     if any(idle):
         per_cat[IDLE] = idle
-    return [f"{r['preset']}\n{r['group']}" for r in rows], per_cat
+    return [f"{r['preset']}\n{r['group']}" + (f"\n({r['label_date']})" if r.get("label_date") else "") for r in rows], per_cat
 
 
 def _plot_step_breakdown(ax, rows):

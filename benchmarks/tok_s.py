@@ -280,15 +280,29 @@ def category(name: str) -> str:
 
 
 def kernel_ms(events, n: int) -> dict:
-    """``{kernel name: device ms per step}`` from a profile of ``n`` steps: the device events only, less
-    the record_function ranges (e.g. torch's ``Optimizer.step#AdamW.step``), which also show on the device
-    timeline spanning the kernels they launched and would count those kernels twice."""
+    """``{kernel name: device ms per step}`` from a profile of ``n`` steps: the device events less the
+    record_function ranges mirrored on the device timeline (torch's ``Optimizer.step#AdamW.step``: it
+    spans the kernels it launched and would count them twice). A range is a device event flagged as a
+    user annotation, or one named like a host event that spans another device event; a kernel named like
+    its host-side launch record (torch.compile's Triton kernels, e.g. flex attention's) spans none."""
     cuda = torch.autograd.DeviceType.CUDA
-    ranges = {e.name for e in events if e.device_type != cuda}
+    host = {e.name for e in events if e.device_type != cuda}
+    dev = sorted((e for e in events if e.device_type == cuda), key=lambda e: (e.time_range.start, -e.time_range.end))
+
+    def spans_another(i):
+        start, end = dev[i].time_range.start, dev[i].time_range.end
+        for d in dev[i + 1:]:
+            if d.time_range.start > end:
+                return False
+            if d.time_range.end <= end and (d.time_range.start, d.time_range.end) != (start, end):
+                return True
+        return False
+
     kernels = {}
-    for e in events:
-        if e.device_type == cuda and e.name not in ranges and not getattr(e, "is_user_annotation", False):
-            kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / n
+    for i, e in enumerate(dev):
+        if getattr(e, "is_user_annotation", False) or (e.name in host and spans_another(i)):
+            continue
+        kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / n
     return kernels
 
 

@@ -66,3 +66,26 @@ def test_tok_s_chart_renders_mfu_and_the_breakdown(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = plot.plot_tok_s(str(path), str(tmp_path))
     assert [os.path.basename(p) for p in out] == ["tok_s-H200.png"] and os.path.getsize(out[0]) > 10_000
+
+
+def test_step_breakdown_fills_in_b_and_b_plus_from_an_older_run():
+    """The newest run's profiled rows first; (b) and the fastest (b+) stack from the newest older run that
+    profiled them (labelled with its date); other older groups are left out."""
+    import plot
+    old = "2026-12-01T21:46:01+00:00"
+    new = "2026-12-01T22:38:59+00:00"
+    prof = {"gemm": 80.0}
+    everything = [
+        dict(preset="real", group="(a) dflash_kernels", date=old, ms_step=150.0, profile_ms=prof),
+        dict(preset="real", group="(b) peers", date=old, ms_step=247.0, profile_ms=prof),
+        dict(preset="real", group="(b+) liger-ew", date=old, ms_step=240.0, profile_ms=prof, b_plus_best=True),
+        dict(preset="real", group="(b+) cce", date=old, ms_step=269.0, profile_ms=prof),
+        dict(preset="real", group="(a) dflash_kernels", date=new, ms_step=142.6, profile_ms=prof),
+        dict(preset="real", group="(b) peers", date=new, ms_step=247.0),  # no profile
+    ]
+    newest = everything[-2:]
+    rows = plot._newest_profiles(everything, newest)
+    labels, _ = plot.step_breakdown(rows)
+    assert labels == ["real\n(a) dflash_kernels", "real\n(b) peers\n(2026-12-01 21:46)",
+                      "real\n(b+) liger-ew\n(2026-12-01 21:46)"]
+    assert rows[0]["date"] == new
