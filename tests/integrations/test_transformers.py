@@ -15,6 +15,27 @@ from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5 import modeling_qwen3_5  # noqa: E402
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _routing_of_other_tests_undone():
+    """``trainer.target.load_target`` routes process-wide and for good (trainer tests leave it on), while
+    these tests compare a routed model with transformers' own functions and check what ``undo`` restores:
+    the module runs with every routing undone, and puts the routings back after."""
+    import sys
+
+    from dflash_kernels.integrations import transformers as integ
+    with integ._lock:
+        originals, owners = dict(integ._originals), dict(integ._owners)
+    places = {key: owners.get(key, (sys.modules[key[0]], key[1])) for key in originals}
+    routed = {key: getattr(owner, attr) for key, (owner, attr) in places.items()}
+    integ.KernelRouting([], list(originals)).undo()
+    yield
+    with integ._lock:
+        for key, (owner, attr) in places.items():
+            setattr(owner, attr, routed[key])
+        integ._originals.update(originals)
+        integ._owners.update(owners)
+
+
 @pytest.fixture()
 def model(monkeypatch):
     # transformers calls fla / causal-conv1d instead of its own torch code when they import (the GPU
