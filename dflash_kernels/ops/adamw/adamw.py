@@ -1,0 +1,95 @@
+"""Fused AdamW step over a list of fp32 parameters: gradients in any float dtype, an optional device-side
+gradient scale (the clip), optional compute-dtype copies written in the same pass (``kernels.py``)."""
+
+import math
+
+import torch
+
+from dflash_kernels.ops.adamw.kernels import adamw_kernel
+from dflash_kernels.runtime import Op, bucket, cdiv
+
+__all__ = ["fused_adamw_"]
+
+_op = Op("adamw")
+
+
+def _check(params, grads, exp_avgs, exp_avg_sqs, compute_copies, grad_scale, lr, beta1, beta2, eps, weight_decay,
+           step):
+    n = len(params)
+    for name, seq in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)) + (
+            (("compute_copies", compute_copies),) if compute_copies is not None else ()):
+        if len(seq) != n:
+            raise ValueError(f"{name}: expected {n} tensors (one per parameter), got {len(seq)}")
+    for i, p in enumerate(params):
+        for name, t, fp32 in (("params", p, True), ("grads", grads[i], False), ("exp_avgs", exp_avgs[i], True),
+                              ("exp_avg_sqs", exp_avg_sqs[i], True)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}[{i}]: expected a tensor, got {type(t).__name__}")
+            if fp32 and t.dtype != torch.float32:
+                raise TypeError(f"{name}[{i}]: dtype {t.dtype}, expected torch.float32")
+            if not t.is_floating_point():
+                raise TypeError(f"{name}[{i}]: dtype {t.dtype}, expected a float dtype")
+            if t.shape != p.shape:
+                raise ValueError(f"{name}[{i}]: shape {tuple(t.shape)} != the parameter's {tuple(p.shape)}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name}[{i}]: must be contiguous")
+            if t.device != p.device:
+                raise ValueError(f"{name}[{i}]: on {t.device}, the parameter on {p.device}")
+        if compute_copies is not None and compute_copies[i] is not None:
+            c = compute_copies[i]
+            if c.shape != p.shape or not c.is_contiguous() or c.device != p.device or not c.is_floating_point():
+                raise ValueError(f"compute_copies[{i}]: expected a contiguous float tensor of shape "
+                                 f"{tuple(p.shape)} on {p.device}, got {c.dtype} {tuple(c.shape)} on {c.device}")
+    if grad_scale is not None and (grad_scale.numel() != 1 or not grad_scale.is_floating_point()):
+        raise ValueError(f"grad_scale: expected a one-element float tensor, got {grad_scale.dtype} "
+                         f"{tuple(grad_scale.shape)}")
+    for name, x, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1), ("beta2", beta2, 0, 1),
+                            ("eps", eps, 0, math.inf), ("weight_decay", weight_decay, 0, math.inf)):
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not (lo <= x <= hi) or not math.isfinite(x):
+            raise ValueError(f"{name}: expected a finite number in [{lo}, {hi}], got {x!r}")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"step: expected an int >= 1 (the step being taken), got {step!r}")
+
+
+@_op.impl("reference")
+def _reference(*args, **kwargs):
+    from dflash_kernels.ops.adamw.naive import naive_adamw_
+    return naive_adamw_(*args, **kwargs)
+
+
+@_op.impl("triton", "interpret")
+def _kernels(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=None,
+             compute_copies=None):
+    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    for i, p in enumerate(params):
+        n = p.numel()
+        if n == 0:
+            continue
+        out = compute_copies[i] if compute_copies is not None else None
+        adamw_kernel(lambda m, n=n: (cdiv(n, m["BLOCK"]),), p, grads[i], exp_avgs[i], exp_avg_sqs[i],
+                     p if out is None else out, p if grad_scale is None else grad_scale, n, beta1, beta2, eps,
+                     1 - lr * weight_decay, lr / bc1, math.sqrt(bc2), bucket=(bucket(n, cap=1 << 26),),
+                     HAS_OUT=out is not None, HAS_SCALE=grad_scale is not None)
+
+
+def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                 step, grad_scale=None, compute_copies=None):
+    """One AdamW step (torch's math, decoupled weight decay), in place.
+
+    Args:
+        params, exp_avgs, exp_avg_sqs: lists of contiguous fp32 tensors, one shape per parameter.
+        grads: the gradients, contiguous, any float dtype (bf16 gradients of bf16 compute copies are
+            read as they are).
+        lr, beta1, beta2, eps, weight_decay: host numbers. step: the step being taken (1 first), for the
+            bias corrections.
+        grad_scale: optional one-element device tensor; each gradient is divided by it first (the
+            gradient clip's ``1 / coef``: no host synchronization).
+        compute_copies: optional list (entries may be None) of tensors that receive the updated parameter
+            rounded to their dtype in the same pass (the bf16 weights the next forward uses).
+    """
+    _check(params, grads, exp_avgs, exp_avg_sqs, compute_copies, grad_scale, lr, beta1, beta2, eps,
+           weight_decay, step)
+    if not params:
+        return
+    _op(params[0].device, params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, step=step, grad_scale=grad_scale, compute_copies=compute_copies)

@@ -1,0 +1,94 @@
+"""fused_adamw_ against torch.optim.AdamW and the fp32 reference: fp32 and bf16 gradients, the device-side
+gradient scale, the compute copies, odd sizes, bad input."""
+
+import copy
+
+import pytest
+import torch
+
+from dflash_kernels.ops.adamw import fused_adamw_, naive_adamw_
+from tests.helpers import device, rel_err, require_triton_kernels
+
+SHAPES = [(37, 129), (5000,), (3, 7, 11), (1,)]  # odd sizes: no multiple of any block
+
+
+@pytest.fixture(autouse=True)
+def _require_kernels():
+    require_triton_kernels("adamw")
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.randn(s, generator=g).to(device()) for s in SHAPES]
+    return ps, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+
+
+def _grads(step, dtype):
+    g = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(s, generator=g) * 0.1).to(dtype).to(device()) for s in SHAPES]
+
+
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16], ids=["g32", "g16"])
+def test_matches_torch_adamw_over_steps(gdtype):
+    """Five steps with weight decay: parameters and moments as torch.optim.AdamW's given the same
+    gradients (upcast where ours reads bf16), to fp32 rounding (torch's single-tensor path uses lerp)."""
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ps, ms, vs = _state()
+    ref = [p.clone().requires_grad_() for p in ps]
+    opt = torch.optim.AdamW(ref, foreach=False, **hp)
+    for step in range(1, 6):
+        grads = _grads(step, gdtype)
+        for r, g in zip(ref, grads):
+            r.grad = g.float()
+        opt.step()
+        fused_adamw_(ps, grads, ms, vs, lr=hp["lr"], beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step)
+    for p, r, m, v in zip(ps, ref, ms, vs):
+        st = opt.state[r]
+        assert rel_err(p, r.detach()) < 1e-6
+        assert rel_err(m, st["exp_avg"]) < 1e-6 and rel_err(v, st["exp_avg_sq"]) < 1e-6
+
+
+def test_grad_scale_and_compute_copies():
+    """A device-side scale divides every gradient (as a clip's 1 / coef would); each compute copy is the
+    updated parameter rounded to bf16, exactly; the reference agrees."""
+    ps, ms, vs = _state(1)
+    ps2, ms2, vs2 = (copy.deepcopy(x) for x in (ps, ms, vs))
+    copies = [torch.empty(p.shape, dtype=torch.bfloat16, device=device()) for p in ps]
+    copies[2] = None  # a parameter without a compute copy (e.g. a norm weight kept fp32)
+    scale = torch.tensor([3.0], device=device())
+    for step in (1, 2):
+        grads = _grads(step, torch.bfloat16)
+        fused_adamw_(ps, grads, ms, vs, lr=1e-3, step=step, weight_decay=0.01, grad_scale=scale,
+                     compute_copies=copies)
+        naive_adamw_(ps2, [g.float() / 3.0 for g in grads], ms2, vs2, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                     weight_decay=0.01, step=step)
+    for p, p2, c in zip(ps, ps2, copies):
+        assert rel_err(p, p2) < 1e-6
+        if c is not None:
+            if c.is_cuda:  # the kernel's cast rounds to nearest even, as torch's
+                assert torch.equal(c, p.to(torch.bfloat16))
+            else:  # the Triton interpreter's fp32 -> bf16 cast truncates: within one bf16 ulp
+                assert bool(((c.float() - p).abs() <= p.abs() * 2.0 ** -7).all())
+
+
+BAD = [
+    (lambda a: dict(a, params=[a["params"][0].double()]), TypeError, r"params\[0\]: dtype torch.float64"),
+    (lambda a: dict(a, grads=[a["grads"][0][:-1]]), ValueError, r"grads\[0\]: shape"),
+    (lambda a: dict(a, grads=[a["grads"][0].long()]), TypeError, r"grads\[0\]: dtype torch.int64"),
+    (lambda a: dict(a, exp_avgs=[]), ValueError, "exp_avgs: expected 1 tensors"),
+    (lambda a: dict(a, lr=float("nan")), ValueError, "lr: expected a finite number"),
+    (lambda a: dict(a, beta1=1.5), ValueError, "beta1: expected a finite number in"),
+    (lambda a: dict(a, step=0), ValueError, "step: expected an int >= 1"),
+    (lambda a: dict(a, grad_scale=torch.ones(2)), ValueError, "grad_scale: expected a one-element"),
+    (lambda a: dict(a, params=[a["params"][0].t()]), ValueError, r"params\[0\]: must be contiguous"),
+]
+
+
+@pytest.mark.parametrize("change,exc,match", BAD, ids=[b[2][:30] for b in BAD])
+def test_bad_input(change, exc, match):
+    p = torch.randn(4, 6)
+    a = change(dict(params=[p], grads=[torch.randn(4, 6)], exp_avgs=[torch.zeros(4, 6)],
+                    exp_avg_sqs=[torch.zeros(4, 6)], lr=1e-3, beta1=0.9, step=1, grad_scale=None))
+    with pytest.raises(exc, match=match):
+        fused_adamw_(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], lr=a["lr"], beta1=a["beta1"],
+                     step=a["step"], grad_scale=a["grad_scale"])
