@@ -67,7 +67,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "c", "e")
+GROUPS = ("a", "b", "b+", "c", "e", "m")
 
 
 def parse_args(argv=None):
@@ -206,12 +206,14 @@ SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
-    if group in ("a", "e"):
+    if group in ("a", "e", "m"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "fused", "elementwise": True}
         if group == "e":
             plan.update(label="(e) (a) with eager norm/RoPE/SwiGLU", elementwise=False)
+        if group == "m":
+            plan.update(label="(m) (a) with bf16 weight copies written by the step", adamw="copies")
         return plan
     if group == "c":
         return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
@@ -423,9 +425,18 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     cfg = dataclasses.replace(cfg, loss=plan["loss"])
     row["elementwise"] = "fused" if drafter_model.FUSED_OPS else "eager"
     fused_adamw = plan["adamw"] == "fused" and dev.type == "cuda"
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                            fused=fused_adamw, foreach=None if fused_adamw else dev.type == "cuda")
-    row["loss_path"], row["adamw"] = cfg.loss, "fused" if fused_adamw else "foreach"
+    if plan["adamw"] == "copies" and dtype != torch.float32:  # trainer.compute_weights
+        from trainer.compute_weights import ComputeWeights, MasterAdamW
+
+        drafter.compute_weights = ComputeWeights(drafter, dtype)
+        opt = MasterAdamW(drafter.parameters(), drafter.compute_weights, lr=cfg.lr, betas=tuple(cfg.betas),
+                          weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                weight_decay=cfg.weight_decay, fused=fused_adamw,
+                                foreach=None if fused_adamw else dev.type == "cuda")
+    row["loss_path"] = cfg.loss
+    row["adamw"] = "copies" if not isinstance(opt, torch.optim.AdamW) else ("fused" if fused_adamw else "foreach")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup + steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     drafter.train()
     tokens, timed, t_timed = 0, [], None
@@ -483,7 +494,7 @@ def parse_groups(text: str) -> list:
     groups = [g.strip() for g in text.split(",") if g.strip()]
     for g in groups:
         if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c and/or e")
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c, e and/or m")
     if "b+" in groups and "b" not in groups[:groups.index("b+")]:
         raise SystemExit("--groups: b+ compares each peer piece with (b) in the same run: put b before b+")
     return groups

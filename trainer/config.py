@@ -16,6 +16,7 @@ DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser
 
 
 LOSS_PATHS = ("fused", "logits", "chunked")  # TrainConfig.loss
+COMPUTE_WEIGHTS = ("autocast", "copies")  # TrainConfig.compute_weights
 
 
 @dataclass
@@ -59,6 +60,10 @@ class TrainConfig:
     # cross-entropy (the path of a trainer without the library); "chunked" = plain torch in row chunks
     # (trainer.loss.dflash_head_loss), a reference for the fused op.
     loss: str = "fused"
+    # The drafter's matrix weights in the compute dtype: "autocast" = fp32 masters cast by autocast in every
+    # forward (and the gradients cast back); "copies" = bf16 copies the forward runs with, written by the
+    # optimizer step (trainer/compute_weights.py; single-process loop only, work in progress).
+    compute_weights: str = "autocast"
     seed: int = 0  # model init, data order and anchor sampling
     # --- runtime ---
     device: str = "auto"  # "auto" = cuda if available else cpu
@@ -76,6 +81,8 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)  # free-form notes saved with the config
 
     def __post_init__(self):
+        if self.compute_weights not in COMPUTE_WEIGHTS:
+            raise ValueError(f"compute_weights: expected one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
         if self.loss not in LOSS_PATHS:
             raise ValueError(f"loss: unknown {self.loss!r}; choose one of {list(LOSS_PATHS)}")
 

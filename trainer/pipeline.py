@@ -549,6 +549,9 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
     Raises:
         trainer.supervise.WorkerFailed: a worker raised (its traceback is in the log and in ``.tb``).
     """
+    if cfg.compute_weights != "autocast":
+        raise ValueError(f"compute_weights: {cfg.compute_weights!r} is supported by the single-process loop only "
+                         f"so far; the pipeline runs with 'autocast'")
     log = log or get_log()
     stop = stop if stop is not None else StopRequest()
     R = _setup(cfg, resume, log, dist, overwrite=overwrite, allow_config_change=allow_config_change)

@@ -54,7 +54,9 @@ def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainCon
     # fp32 master weights under autocast wherever the compute dtype is lower (a CPU bf16 run too: the
     # same casts as on a GPU, which is what trainer.copy_audit inspects).
     with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-        hidden = drafter(emb, feats, anchors, valid, masks=masks)
+        cw = getattr(drafter, "compute_weights", None)  # trainer.compute_weights: bf16 leaves, no casts
+        hidden = drafter(emb, feats, anchors, valid, masks=masks) if cw is None else cw(
+            drafter, emb, feats, anchors, valid, masks=masks)
         logits = heads.lm_head(hidden) if cfg.loss == "logits" else None
     if logits is not None:
         return dflash_loss(logits, labels, counted, cfg.gamma)
@@ -94,6 +96,8 @@ def clip_and_step(opt: torch.optim.Optimizer, params, max_norm: float) -> torch.
     clipped gradients differ from clip_grad_norm_'s by a rounding (a division by 1 / coef, not a
     multiplication by coef) and are exact when no clipping happens (coef = 1). Other optimizers:
     clip_grad_norm_ as is."""
+    if hasattr(opt, "step_with_clip"):  # trainer.compute_weights.MasterAdamW: its own gradients, clip in-kernel
+        return opt.step_with_clip(max_norm)
     params = [p for p in params if p.grad is not None]
     fused = all(g.get("fused") for g in opt.param_groups)
     if not fused or max_norm <= 0 or not params:

@@ -96,13 +96,23 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     n_params = sum(p.numel() for p in drafter.parameters())
     total = cfg.steps or cfg.epochs * steps_per_epoch(len(ds), cfg.batch_size)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                            fused=dev.type == "cuda")
+    cw = None
+    if cfg.compute_weights == "copies" and dtype != torch.float32:
+        from trainer.compute_weights import ComputeWeights, MasterAdamW
+
+        cw = ComputeWeights(drafter, dtype)
+        drafter.compute_weights = cw  # trainer.step.drafter_loss runs the forward with the copies
+        opt = MasterAdamW(drafter.parameters(), cw, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
+                                weight_decay=cfg.weight_decay, fused=dev.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
     step = 0
     if saved is not None:
         step = restore(saved, model=drafter, optimizer=opt, scheduler=sched, path=resume_from)
+        if cw is not None:
+            cw.refresh(drafter)
         saved = None  # the CPU copy of every state is not needed any more
         log(f"resume: from step {step} of {resume_from}")
     log(f"drafter: {n_params / 1e6:.2f}M trainable parameters, {cfg.num_layers} layers; {len(ds)} sequences, "

@@ -1,0 +1,124 @@
+"""trainer.compute_weights: bf16 leaves written by MasterAdamW train as fp32 masters under bf16 autocast do."""
+
+import copy
+
+import pytest
+import torch
+
+from trainer.compute_weights import ComputeWeights, MasterAdamW
+from trainer.step import clip_and_step
+
+
+class Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(48, 96, bias=False)
+        self.norm = torch.nn.Parameter(torch.ones(96))  # 1-D: stays fp32, no leaf
+        self.b = torch.nn.Linear(96, 8)  # its bias is 1-D too
+
+    def forward(self, x, scale=1.0):
+        return self.b(torch.nn.functional.silu(self.a(x)) * self.norm) * scale
+
+
+def _run(model, opt, cw, steps=6):
+    g = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(32, 48, generator=g) * (30 if i < 3 else 0.1)  # clipped first, then not
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x, scale=2.0) if cw is None else cw(model, x, scale=2.0)
+        y.float().square().mean().backward()
+        clip_and_step(opt, model.parameters(), 1.0)
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.fixture()
+def adamw_reference():
+    """The step's math in plain torch (the kernel is held to it in tests/ops/test_adamw.py): its bf16
+    copies round to nearest as autocast's casts do, where the Triton interpreter's casts truncate."""
+    import dflash_kernels as dk
+    before = dk.get_backend("adamw")
+    dk.set_backend("adamw", "reference")
+    yield
+    dk.set_backend("adamw", before)
+
+
+def test_trains_as_autocast_with_fp32_masters(adamw_reference):
+    torch.manual_seed(0)
+    ref = Toy()
+    ours = copy.deepcopy(ref)
+    _run(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False), None)
+    cw = ComputeWeights(ours)
+    assert set(cw.copies) == {"a.weight", "b.weight"}
+    opt = MasterAdamW(ours.parameters(), cw, lr=1e-2, weight_decay=0.1)
+    _run(ours, opt, cw)
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        assert (p - q).abs().max() <= 1e-5 * p.abs().max(), name
+    masters = dict(ours.named_parameters())
+    for name, leaf in cw.copies.items():  # each leaf is its master rounded, written by the step
+        assert torch.equal(leaf.detach(), masters[name].detach().to(torch.bfloat16)), name
+    assert all(leaf.grad is None for leaf in cw.copies.values()), "zero_grad hands the leaves' gradients back"
+
+
+def test_state_dict_round_trip_and_refresh():
+    torch.manual_seed(0)
+    model = Toy()
+    cw = ComputeWeights(model)
+    opt = MasterAdamW(model.parameters(), cw, lr=1e-2)
+    _run(model, opt, cw, steps=2)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    assert all(v.dtype == torch.float32 for v in saved_model.values()), "checkpoints keep the fp32 masters"
+    other = Toy()
+    other.load_state_dict(saved_model)
+    cw2 = ComputeWeights(other)
+    opt2 = MasterAdamW(other.parameters(), cw2, lr=1e-2)
+    opt2.load_state_dict(saved_opt)
+    cw2.refresh(other)
+    cw.refresh(model)  # the same leaves both ways (the Triton interpreter's casts truncate; torch's round)
+    _run(model, opt, cw, steps=2)
+    _run(other, opt2, cw2, steps=2)
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("bad", ["lr"])
+def test_bad_hyperparameters_name_the_argument(bad):
+    model = Toy()
+    opt = MasterAdamW(model.parameters(), ComputeWeights(model), lr=float("nan"))
+    with pytest.raises(ValueError, match="lr: expected a finite number"):
+        _run(model, opt, None, steps=1)
+
+
+def test_the_drafter_trains_the_same_with_copies(tmp_path, tiny_qwen3_dir, counting_data, adamw_reference):
+    """trainer.train at the tiny preset in bf16 on the CPU: compute_weights="copies" (the drafter's forward
+    through functional_call with the bf16 leaves, MasterAdamW) against "autocast": the same losses and
+    accuracies, weights equal to bf16-forward rounding."""
+    from trainer.config import preset
+    from trainer.train import train
+
+    quiet = lambda s: None  # noqa: E731
+    cfg = lambda out, cw: preset("tiny", target=tiny_qwen3_dir, data=counting_data, out_dir=str(out), steps=4,  # noqa: E731
+                                 dtype="bfloat16", compute_weights=cw)
+    ref = train(cfg(tmp_path / "a", "autocast"), log=quiet)
+    lines = []
+    got = train(cfg(tmp_path / "b", "copies"), log=lines.append)
+    assert any("(torch.bfloat16)" in line for line in lines), lines  # the run was in bf16
+    used = []
+    import trainer.compute_weights as cwm
+    real_step = cwm.MasterAdamW.step
+
+    def counting(self, *a, **k):
+        used.append(1)
+        return real_step(self, *a, **k)
+    cwm.MasterAdamW.step = counting
+    try:
+        train(cfg(tmp_path / "c", "copies"), log=quiet)
+    finally:
+        cwm.MasterAdamW.step = real_step
+    assert len(used) == 4, "MasterAdamW took the steps"
+    for r, g in zip(ref, got, strict=True):
+        assert abs(r["loss"] - g["loss"]) <= 1e-4 * abs(r["loss"]) and r["acc"] == g["acc"], (r, g)
+    wa = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=False)["model"]
+    wb = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)["model"]
+    for k, v in wa.items():
+        assert wb[k].dtype == v.dtype == torch.float32, k
+        assert (wb[k] - v).abs().max() <= 1e-3 * v.abs().max().clamp_min(1e-6), k

@@ -1,0 +1,117 @@
+"""bf16 compute copies of the drafter's matrix weights, written by the optimizer step (no autocast casts).
+
+Under autocast the fp32 master weights are cast to bf16 in every forward, and the bf16 weight gradients
+cast back to fp32 in every backward (the real preset: ~5 ms of casts per step on the H200, 2026-12-01).
+Here each trainable 2-D fp32 weight has a bf16 leaf tensor the forward runs with
+(``torch.func.functional_call``); its gradient stays bf16; :class:`MasterAdamW` reads it as it is, updates
+the fp32 master and writes the leaf's new value in the same pass (``dflash_kernels.ops.adamw``). The
+values are those of the autocast path: the leaf is the master rounded to bf16 (what autocast's cast
+gives), its gradient the same bf16 numbers autocast's backward would cast to fp32 exactly. Checkpoints
+keep the fp32 masters (``model.state_dict()`` unchanged); after loading one, :meth:`ComputeWeights.refresh`.
+"""
+
+import torch
+
+from dflash_kernels.ops.adamw import fused_adamw_
+
+__all__ = ["ComputeWeights", "MasterAdamW"]
+
+
+class ComputeWeights:
+    """The bf16 (``dtype``) leaves of ``model``'s trainable 2-D fp32 parameters."""
+
+    def __init__(self, model: torch.nn.Module, dtype=torch.bfloat16):
+        self.dtype = dtype
+        self.copies = {}  # parameter name -> leaf
+        self.of = {}  # parameter -> leaf
+        for name, p in model.named_parameters():
+            if p.requires_grad and p.dim() == 2 and p.dtype == torch.float32:
+                leaf = p.detach().to(dtype).requires_grad_()
+                self.copies[name] = leaf
+                self.of[p] = leaf
+
+    def __call__(self, model, *args, **kwargs):
+        """``model(*args, **kwargs)`` with the leaves in place of their parameters."""
+        return torch.func.functional_call(model, self.copies, args, kwargs, strict=False)
+
+    @torch.no_grad()
+    def refresh(self, model):
+        """The leaves from the masters again (after a checkpoint was loaded into ``model``)."""
+        params = dict(model.named_parameters())
+        for name, leaf in self.copies.items():
+            leaf.copy_(params[name])
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW (torch's math, decoupled weight decay) over fp32 masters, reading the bf16 leaves' gradients
+    where :class:`ComputeWeights` has a leaf and writing the leaves in the same kernel pass.
+
+    State per parameter as torch.optim.AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), ``step`` kept on the
+    host so that the bias corrections need no read-back. :meth:`step_with_clip` folds the gradient clip
+    into the kernel (``trainer.step.clip_and_step`` calls it)."""
+
+    def __init__(self, params, compute_weights: ComputeWeights = None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.compute_weights = compute_weights
+        self.grad_scale = None
+
+    def _grad(self, p):
+        leaf = self.compute_weights.of.get(p) if self.compute_weights is not None else None
+        return (leaf.grad, leaf) if leaf is not None else (p.grad, None)
+
+    def grads(self):
+        return [g for group in self.param_groups for p in group["params"] for g in [self._grad(p)[0]]
+                if g is not None]
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for st in self.state.values():  # torch's fused AdamW keeps step on the device
+            if "step" in st:
+                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32)
+
+    def zero_grad(self, set_to_none: bool = True):
+        super().zero_grad(set_to_none)
+        if self.compute_weights is not None:
+            for leaf in self.compute_weights.of.values():
+                leaf.grad = None  # the next backward hands its gradient over (no accumulation pass)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            by_step = {}
+            for p in group["params"]:
+                g, leaf = self._grad(p)
+                if g is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                lists = by_step.setdefault(int(st["step"]), ([], [], [], [], []))
+                for lst, t in zip(lists, (p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], leaf)):
+                    lst.append(t)
+            beta1, beta2 = group["betas"]
+            for step, (ps, gs, ms, vs, leaves) in by_step.items():
+                fused_adamw_(ps, gs, ms, vs, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], step=step, grad_scale=self.grad_scale,
+                             compute_copies=leaves if any(c is not None for c in leaves) else None)
+        return loss
+
+    def step_with_clip(self, max_norm: float) -> torch.Tensor:
+        """clip_grad_norm_'s total norm and coefficient (``min(1, max_norm / (norm + 1e-6))``), applied inside
+        the step's kernel as the gradient scale ``1 / coef``; returns the norm (a device tensor)."""
+        grads = self.grads()
+        if not grads:
+            return torch.zeros(())
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)), 2)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        self.grad_scale = (1.0 / coef).reshape(1)
+        try:
+            self.step()
+        finally:
+            self.grad_scale = None
+        return norm
