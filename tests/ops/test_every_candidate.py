@@ -68,7 +68,7 @@ KNOWN = {
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
     "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
-    "linear_ce_rows",
+    "linear_ce_rows", "adamw",
     "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
     "rope", "swiglu_fwd", "swiglu_bwd",
 }
@@ -178,6 +178,29 @@ def _gdn_recurrent(size, dtype):
     _check("final_state", ht, rht, tol, 4 * tol)
 
 
+def _adamw(size, dtype):
+    from dflash_kernels.ops.adamw import fused_adamw_, naive_adamw_
+
+    shapes = [(9728, 2560), (2560,)] if size == "real" else [(1001, 37), (3,)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    ps = [torch.randn(s, device="cuda", generator=g) for s in shapes]
+    ms = [torch.randn(s, device="cuda", generator=g) * 0.01 for s in shapes]
+    vs = [torch.rand(s, device="cuda", generator=g) * 1e-4 for s in shapes]
+    gs = [torch.randn(s, device="cuda", generator=g).to(torch.bfloat16) for s in shapes]
+    copies = [torch.empty(s, device="cuda", dtype=torch.bfloat16) for s in shapes]
+    ref = [[t.clone() for t in lst] for lst in (ps, ms, vs)]
+    scale = torch.tensor([2.0], device="cuda")
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=7)
+    fused_adamw_(ps, gs, ms, vs, grad_scale=scale, compute_copies=copies, **kw)
+    naive_adamw_(*ref[:1], [x.float() / 2.0 for x in gs], *ref[1:], **kw)
+    for name, got, want in (("param", ps, ref[0]), ("exp_avg", ms, ref[1]), ("exp_avg_sq", vs, ref[2])):
+        for a, b in zip(got, want):
+            err = rel_err(a, b)
+            assert err < 1e-6, f"{name}: relative error {err:.3g}"
+    for c, p in zip(copies, ps):
+        assert torch.equal(c, p.to(torch.bfloat16)), "compute copy"
+
+
 def _linear_cross_entropy(size, dtype):
     from tests.ops.test_linear_cross_entropy import _check_all, _inputs, _run
 
@@ -269,7 +292,7 @@ DRIVERS = {
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK] + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},
     "gdn_recurrent": _gdn_recurrent,
-    "linear_ce_rows": _linear_cross_entropy,
+    "linear_ce_rows": _linear_cross_entropy, "adamw": _adamw,
     "rms_norm_fwd_narrow": _rms_norm(True), "rms_norm_bwd_narrow": _rms_norm(True),
     "rms_norm_fwd_wide": _rms_norm(False), "rms_norm_bwd_wide": _rms_norm(False),
     "rope": _rope, "swiglu_fwd": _swiglu, "swiglu_bwd": _swiglu,
