@@ -62,7 +62,7 @@ class TrainConfig:
     loss: str = "fused"
     # The drafter's matrix weights in the compute dtype: "autocast" = fp32 masters cast by autocast in every
     # forward (and the gradients cast back); "copies" = bf16 copies the forward runs with, written by the
-    # optimizer step (trainer/compute_weights.py; single-process loop only, work in progress).
+    # optimizer step (trainer/compute_weights.py; single-process loop only; opt-in, not yet timed on a GPU).
     compute_weights: str = "autocast"
     seed: int = 0  # model init, data order and anchor sampling
     # --- runtime ---

@@ -96,8 +96,9 @@ def test_the_drafter_trains_the_same_with_copies(tmp_path, tiny_qwen3_dir, count
     from trainer.train import train
 
     quiet = lambda s: None  # noqa: E731
-    cfg = lambda out, cw: preset("tiny", target=tiny_qwen3_dir, data=counting_data, out_dir=str(out), steps=4,  # noqa: E731
-                                 dtype="bfloat16", compute_weights=cw)
+    def cfg(out, cw):
+        return preset("tiny", target=tiny_qwen3_dir, data=counting_data, out_dir=str(out), steps=4, dtype="bfloat16",
+                      compute_weights=cw)
     ref = train(cfg(tmp_path / "a", "autocast"), log=quiet)
     lines = []
     got = train(cfg(tmp_path / "b", "copies"), log=lines.append)

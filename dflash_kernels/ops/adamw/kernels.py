@@ -43,6 +43,7 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, beta1, beta
         tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-adamw_kernel = TritonKernel(_adamw_kernel, name="adamw",
-                            configs=[Config(BLOCK=b, num_warps=w) for b, w in ((4096, 8), (2048, 4), (8192, 8), (1024, 4))],
-                            interpret_config=Config(BLOCK=256))
+adamw_kernel = TritonKernel(
+    _adamw_kernel, name="adamw",
+    configs=[Config(BLOCK=b, num_warps=w) for b, w in ((4096, 8), (2048, 4), (8192, 8), (1024, 4))],
+    interpret_config=Config(BLOCK=256))
