@@ -287,9 +287,9 @@ def _leaks_inside_a_chunk(name):
     return [] if name == "q" else [pytest.mark.xfail(
         strict=True, reason="known leak: inside a chunk the kernels' lower triangular products multiply "
                             "their exact zeros by the non-finite rows below (0 * NaN = NaN), so the "
-                            "rows before the token turn NaN too; a fix (branch wip/gdn-nonfinite-tbad: each "
-                            "chunk's first non-finite row found in a pass of its own, rows from it on read as 0) "
-                            "passes on the CPU and awaits its GPU correctness and speed check")]
+                            "rows before the token turn NaN too; a fix (each chunk's first non-finite row found "
+                            "in a pass of its own, rows from it on read as 0) passes on the CPU and awaits its "
+                            "GPU correctness and speed check")]
 
 
 @needs_kernels
