@@ -115,6 +115,64 @@ def _mlp_forward(self, x):
     return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+# transformers' Qwen3.5 GDN layer (up to 5.2x), the lines the training route below computes the same way:
+# the one it leaves out is the copy of q and k to the value heads (the kernels take Hk < Hv heads as they are).
+_GDN_LAYER_SOURCE = ("query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)",
+                     "hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)",
+                     "mixed_qkv = self.in_proj_qkv(hidden_states)",
+                     "z = self.in_proj_z(hidden_states)",
+                     "b = self.in_proj_b(hidden_states)",
+                     "a = self.in_proj_a(hidden_states)",
+                     "beta = b.sigmoid()",
+                     "g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)",
+                     "use_qk_l2norm_in_kernel=True,",
+                     "core_attn_out = self.norm(core_attn_out, z)",
+                     "output = self.out_proj(core_attn_out)")
+
+
+def _make_gdn_layer_forward(module, original):
+    """The GDN layer's forward without a cache (training, the frozen target's features) with q and k
+    given to the kernels at their own head count; with a cache (generation) transformers' forward."""
+    mask_padding = module.apply_mask_to_padding_states
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if cache_params is not None or kwargs.get("cache") is not None:
+            return original(self, hidden_states, cache_params, attention_mask, **kwargs)
+        hidden_states = mask_padding(hidden_states, attention_mask)
+        batch, seq_len, _ = hidden_states.shape
+        mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)
+        z = self.in_proj_z(hidden_states)
+        b = self.in_proj_b(hidden_states)
+        a = self.in_proj_a(hidden_states)
+        mixed_qkv = dk.causal_conv1d(mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation,
+                                     seq_idx=kwargs.get("seq_idx")).transpose(1, 2)
+        q, k, v = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(batch, seq_len, -1, self.head_k_dim)
+        k = k.reshape(batch, seq_len, -1, self.head_k_dim)
+        v = v.reshape(batch, seq_len, -1, self.head_v_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)
+        o, _ = dk.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                         cu_seqlens=kwargs.get("cu_seq_lens_q"))
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(batch, seq_len, -1))
+
+    hooks = getattr(module, "force_accelerate_hooks", None)  # transformers' offloading hooks on conv1d
+    return hooks("conv1d")(forward) if callable(hooks) else forward
+
+
+def _gdn_layer_routes(module):
+    """``[(class, "forward", replacement)]`` for GDN layers whose forward copies q and k to the value heads."""
+    routes = []
+    for name, obj in sorted(vars(module).items()):
+        if (isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.__module__ == module.__name__
+                and name.endswith("GatedDeltaNet") and "forward" in obj.__dict__
+                and hasattr(module, "apply_mask_to_padding_states")
+                and all(line in _source(obj.__dict__["forward"]) for line in _GDN_LAYER_SOURCE)):
+            routes.append((obj, "forward", _make_gdn_layer_forward(module, obj.__dict__["forward"])))
+    return routes
+
+
 def _source(fn) -> str:
     try:
         return inspect.getsource(inspect.unwrap(fn))
@@ -180,7 +238,7 @@ class KernelRouting:
         return f"KernelRouting({self.modules})"
 
 
-def use_dflash_kernels(model, elementwise: bool = False) -> KernelRouting:
+def use_dflash_kernels(model, elementwise: bool = False, gdn_layers: bool = False) -> KernelRouting:
     """Make ``model``'s Gated DeltaNet and short causal conv layers (and, with ``elementwise``, its
     ``(1 + w)`` RMSNorms, SiLU MLPs and rotate-half RoPE) run on dflash_kernels.
 
@@ -188,6 +246,9 @@ def use_dflash_kernels(model, elementwise: bool = False) -> KernelRouting:
         model: a transformers model (``nn.Module``) with Qwen3.5 / Qwen3-Next style linear-attention
             layers.
         elementwise: also route the norms, MLP activations and RoPE of the same modeling modules.
+        gdn_layers: where transformers' GDN layer copies q and k to the value heads before the delta
+            rule (``repeat_interleave``, versions up to 5.2x), replace the layer's cache-less forward by
+            one that passes them at their own head count (opt-in: measured slower on the H200 so far).
 
     Returns:
         A :class:`KernelRouting` whose ``undo()`` restores transformers' functions.
@@ -209,9 +270,9 @@ def use_dflash_kernels(model, elementwise: bool = False) -> KernelRouting:
                     _originals[(module_name, name)] = getattr(module, name)
                     setattr(module, name, adapter)
                     patched.append((module_name, name))
-            if not elementwise:
-                continue
-            for owner, attr, replacement in _elementwise_routes(module):
+            routes = _gdn_layer_routes(module) if gdn_layers else []
+            routes += _elementwise_routes(module) if elementwise else []
+            for owner, attr, replacement in routes:
                 key = (module_name, attr if owner is module else f"{owner.__name__}.{attr}")
                 if key in _originals:
                     continue

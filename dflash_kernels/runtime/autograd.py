@@ -6,14 +6,26 @@ but its Python dispatch costs tens of microseconds per call, more than twice wha
 ``autograd.Function`` around the same body costs. Eager callers, the common case in a training loop,
 take the cheap path, and a call with nothing to differentiate (grad mode off, or no input that
 requires grad: a frozen target's forward) runs the implementation alone, without an autograd node;
-while dynamo traces, the custom op is used.
+while a tracer runs (dynamo, AOT autograd tracing a compiled backward, make_fx, export), the custom
+op is used.
 Both run the same implementation, ``setup_context`` and ``backward``, with the same semantics (a
 custom op's autograd is itself an ``autograd.Function`` with materialized gradients).
 """
 
 import torch
 
-__all__ = ["differentiable_op", "eager_call"]
+__all__ = ["differentiable_op", "eager_call", "traced"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def traced(args) -> bool:
+    """True while a tracer sees these arguments (dynamo; AOT autograd tracing a compiled backward;
+    make_fx / export): fake, functional or proxied tensors, which have no data for a kernel, or a
+    dispatch mode that records the ops. Then the custom op runs, which the tracer knows how to treat."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return True
+    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
 
 
 def differentiable_op(custom_op, impl, setup_context, backward):
@@ -41,7 +53,7 @@ def differentiable_op(custom_op, impl, setup_context, backward):
     _Eager.__name__ = f"{getattr(impl, '__name__', 'op')}_eager"
 
     def call(*inputs):
-        if torch.compiler.is_compiling():
+        if traced(inputs):
             return custom_op(*inputs)
         if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
             return impl(*inputs)  # nothing to differentiate (a frozen target's forward): no autograd node
@@ -59,7 +71,7 @@ def eager_call(custom_op):
         return custom_op
 
     def call(*args):
-        if torch.compiler.is_compiling():
+        if traced(args):
             return custom_op(*args)
         return fn(*args)
     return call

@@ -168,6 +168,46 @@ def test_elementwise_routes_run_the_ops_and_can_be_left_out(model, monkeypatch):
         routing.undo()
 
 
+def test_gdn_layers_give_the_kernels_q_and_k_at_their_own_head_count(model, monkeypatch):
+    """The delta rule gets q and k with the layer's key-head count (2 here, for 4 value heads) and no
+    ``repeat_interleave`` copy runs: transformers up to 5.2x copies them to the value heads in the GDN
+    layer's forward, which the route then replaces (undone by ``undo``); later versions pass them as
+    they are, and their layer is left alone. Outputs and gradients match transformers' torch path."""
+    _require_kernels()
+    layer_cls = modeling_qwen3_5.Qwen3_5GatedDeltaNet
+    original = layer_cls.forward
+    copies_heads = "repeat_interleave(self.num_v_heads" in inspect.getsource(inspect.unwrap(original))
+    ids = torch.randint(0, 97, (2, 70), device=device())
+    ref = model(ids, use_cache=False).logits  # as the trainer's target; with a cache, transformers' forward
+    ref_grads = torch.autograd.grad(ref.square().mean(), list(model.parameters()))
+    heads, repeats = [], [0]
+    real_gdn, real_repeat = dk.chunk_gated_delta_rule, torch.Tensor.repeat_interleave
+
+    def gdn(q, k, v, *args, **kwargs):
+        heads.append((q.shape[2], k.shape[2], v.shape[2]))
+        return real_gdn(q, k, v, *args, **kwargs)
+
+    def repeat(self, *args, **kwargs):
+        repeats[0] += 1
+        return real_repeat(self, *args, **kwargs)
+    monkeypatch.setattr(dk, "chunk_gated_delta_rule", gdn)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", repeat)
+    routing = use_dflash_kernels(model, gdn_layers=True)
+    try:
+        assert (layer_cls.forward is not original) == copies_heads
+        out = model(ids, use_cache=False).logits
+        grads = torch.autograd.grad(out.square().mean(), list(model.parameters()))
+    finally:
+        routing.undo()
+    assert layer_cls.forward is original
+    n_gdn = sum(t == "linear_attention" for t in model.config.layer_types)
+    assert heads == [(2, 2, 4)] * n_gdn and repeats[0] == 0, (heads, repeats)
+    tol_out, tol_grad = (1e-3, 5e-3) if out.is_cuda else (1e-4, 1e-3)
+    assert rel_err(out, ref) < tol_out
+    for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
+        assert rel_err(g, r) < tol_grad, name
+
+
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32], ids=["w_bf16", "w_fp32"])
 def test_gated_norm_route_matches_transformers_in_bf16(wdtype):
     """The GDN output norm routed: transformers' module in bf16 (its roundings: x_hat to bf16, the

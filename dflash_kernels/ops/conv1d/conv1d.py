@@ -21,7 +21,7 @@ from dflash_kernels.ops.conv1d.kernels import (BWD_CHUNK, BWD_CHUNK_MIN, conv1d_
                                                conv1d_update_kernel)
 from dflash_kernels.runtime import (Choice, Op, alloc, backends, bucket, cdiv, next_pow2, register_precompile,
                                     settings)
-from dflash_kernels.runtime.autograd import differentiable_op, eager_call
+from dflash_kernels.runtime.autograd import differentiable_op, eager_call, traced
 
 __all__ = ["causal_conv1d", "causal_conv1d_update", "causal_conv1d_fwd", "causal_conv1d_bwd",
            "causal_conv1d_update_fwd"]
@@ -239,9 +239,9 @@ def _backward(ctx, dy, dfinal):
     x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
     if not ctx.return_final_states:
         dfinal = None
-    if type(dy) is torch.Tensor and type(x) is torch.Tensor:
+    if not traced((dy, x)):
         # Eager: the launcher directly. A traced backward (torch.compile's fake / functional tensor
-        # subclasses) goes through the custom op, which the graph can hold.
+        # subclasses, make_fx) goes through the custom op, which the graph can hold.
         dx, dweight, dbias, dinit = causal_conv1d_bwd(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
     else:
         dx, dweight, dbias, dinit = _bwd_op_eager(dy, dfinal, x, weight, bias, seq_idx, initial_states, ctx.silu)
@@ -280,7 +280,7 @@ def _conv_kernels(x, weight, bias, activation, seq_idx, initial_states, return_f
                                     (bias is not None and bias.requires_grad) or
                                     (initial_states is not None and initial_states.requires_grad)):
         y, final = _fwd_differentiable(*args)
-    elif torch.compiler.is_compiling():
+    elif traced(args):
         y, final = _fwd_op(*args)
     else:  # nothing to differentiate: the launcher directly, without the autograd.Function's cost
         y, final = causal_conv1d_fwd(*args)
@@ -307,7 +307,7 @@ def _update_kernels(x, conv_state, weight, bias, activation, cache_seqlens, conv
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(-1) if squeeze else x
     # Outside torch.compile the custom op's dispatch is skipped: the launcher directly (no autograd).
-    run = _update_op if torch.compiler.is_compiling() else causal_conv1d_update_fwd
+    run = _update_op if traced((x3, conv_state)) else causal_conv1d_update_fwd
     y = run(x3, conv_state, weight if weight.is_contiguous() else weight.contiguous(),
             bias if bias is None or bias.is_contiguous() else bias.contiguous(), activation is not None,
             cache_seqlens, conv_state_indices)

@@ -5,6 +5,7 @@ import numbers
 
 import torch
 
+from dflash_kernels.runtime.autograd import traced
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
 __all__ = ["check_arguments", "check_label_range", "REDUCTIONS", "LABEL_DTYPES"]
@@ -57,7 +58,7 @@ def check_arguments(hidden, weight, labels, bias, weights, ignore_index, reducti
 def check_label_range(labels, V, ignore_index):
     """Labels in ``[0, V)`` or equal to ``ignore_index``. Checked on the CPU only: on a GPU it would
     cost a host sync per call (there a bad label makes its row's loss NaN instead)."""
-    if labels.device.type != "cpu" or labels.numel() == 0 or torch.compiler.is_compiling():
+    if labels.device.type != "cpu" or labels.numel() == 0 or traced((labels,)):
         return
     bad = ((labels < 0) | (labels >= V)) & (labels != ignore_index)
     if bool(bad.any()):
