@@ -424,19 +424,12 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         on_drafter(drafter)
     cfg = dataclasses.replace(cfg, loss=plan["loss"])
     row["elementwise"] = "fused" if drafter_model.FUSED_OPS else "eager"
-    fused_adamw = plan["adamw"] == "fused" and dev.type == "cuda"
-    if plan["adamw"] == "copies" and dtype != torch.float32:  # trainer.compute_weights
-        from trainer.compute_weights import ComputeWeights, MasterAdamW
+    from trainer.compute_weights import make_optimizer
 
-        drafter.compute_weights = ComputeWeights(drafter, dtype)
-        opt = MasterAdamW(drafter.parameters(), drafter.compute_weights, lr=cfg.lr, betas=tuple(cfg.betas),
-                          weight_decay=cfg.weight_decay)
-    else:
-        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                weight_decay=cfg.weight_decay, fused=fused_adamw,
-                                foreach=None if fused_adamw else dev.type == "cuda")
+    opt = make_optimizer(drafter, cfg, dtype, plan["adamw"])
     row["loss_path"] = cfg.loss
-    row["adamw"] = "copies" if not isinstance(opt, torch.optim.AdamW) else ("fused" if fused_adamw else "foreach")
+    row["adamw"] = ("copies" if not isinstance(opt, torch.optim.AdamW) else
+                    "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "default")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup + steps, cfg.warmup_ratio, cfg.min_lr_ratio))
     drafter.train()
     tokens, timed, t_timed = 0, [], None

@@ -14,7 +14,7 @@ import torch
 
 from dflash_kernels.ops.adamw import fused_adamw_
 
-__all__ = ["ComputeWeights", "MasterAdamW"]
+__all__ = ["ComputeWeights", "MasterAdamW", "make_optimizer"]
 
 
 class ComputeWeights:
@@ -115,3 +115,24 @@ class MasterAdamW(torch.optim.Optimizer):
         finally:
             self.grad_scale = None
         return norm
+
+
+def make_optimizer(drafter: torch.nn.Module, cfg, dtype, kind: str) -> torch.optim.Optimizer:
+    """The drafter's AdamW with ``cfg``'s lr, betas and weight decay, of one ``kind``:
+
+    - ``"copies"``: :class:`MasterAdamW` over bf16 compute copies (sets ``drafter.compute_weights``, which
+      ``trainer.step.drafter_loss`` runs the forward with); with an fp32 ``dtype`` there is nothing to copy
+      and this is torch's fused AdamW on a GPU, its default elsewhere;
+    - ``"fused"``: torch's fused kernel (on a GPU; torch's default on a CPU);
+    - ``"foreach"``: torch's multi-tensor path (on a GPU; torch's default on a CPU).
+    """
+    if kind not in ("copies", "fused", "foreach"):
+        raise ValueError(f"kind: expected 'copies', 'fused' or 'foreach', got {kind!r}")
+    if kind == "copies" and dtype != torch.float32:
+        drafter.compute_weights = ComputeWeights(drafter, dtype)
+        return MasterAdamW(drafter.parameters(), drafter.compute_weights, lr=cfg.lr, betas=tuple(cfg.betas),
+                           weight_decay=cfg.weight_decay)
+    cuda = next(drafter.parameters()).is_cuda
+    fused = cuda and kind in ("copies", "fused")
+    return torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                             fused=fused, foreach=None if fused else cuda)

@@ -44,6 +44,7 @@ from trainer.checkpoint import (CHECKPOINT_NAME, CheckpointError, read_checkpoin
                                 save_checkpoint)
 from trainer.common import (build_drafter, lr_lambda, resolve_device, resolve_paths,  # noqa: E402
                             step_log_line)
+from trainer.compute_weights import make_optimizer  # noqa: E402
 from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
 from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
 from trainer.loss import expected_accept_length  # noqa: E402
@@ -96,16 +97,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     n_params = sum(p.numel() for p in drafter.parameters())
     total = cfg.steps or cfg.epochs * steps_per_epoch(len(ds), cfg.batch_size)
-    cw = None
-    if cfg.compute_weights == "copies" and dtype != torch.float32:
-        from trainer.compute_weights import ComputeWeights, MasterAdamW
-
-        cw = ComputeWeights(drafter, dtype)
-        drafter.compute_weights = cw  # trainer.step.drafter_loss runs the forward with the copies
-        opt = MasterAdamW(drafter.parameters(), cw, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
-    else:
-        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas),
-                                weight_decay=cfg.weight_decay, fused=dev.type == "cuda")
+    opt = make_optimizer(drafter, cfg, dtype, "copies" if cfg.compute_weights == "copies" else "fused")
+    cw = getattr(drafter, "compute_weights", None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
     step = 0
