@@ -101,19 +101,22 @@ def gdn_cases():
     from dflash_kernels.ops.gated_delta_rule import kernels_fwd as KF
     fp32 = ("gcum_ptr", "A_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "g_ptr", "dq_ptr", "dk_ptr",
             "dbeta_ptr", "dg_ptr")
-    i32 = ("cu_seqlens_ptr", "chunk_indices_ptr", "chunk_offsets_ptr")
+    i32 = ("cu_seqlens_ptr", "chunk_indices_ptr", "chunk_offsets_ptr", "t_bad_ptr")
     common = dict(HK=16, HV=48, K=128, BT=64, BK=128, IS_VARLEN=False)
     for name, kern, extra in [
+        ("gdn_fwd_nonfinite", KF.gdn_fwd_nonfinite_kernel, {"V": 128, "BK": None}),
         ("gdn_fwd_solve", KF.gdn_fwd_solve_kernel.default, {}),
-        ("gdn_fwd_wu", KF.gdn_fwd_wu_kernel.default, {"V": 128}),
+        ("gdn_fwd_wu", KF.gdn_fwd_wu_kernel.default, {"V": 128, "HAS_T_BAD": True}),
         ("gdn_fwd_state", KF.gdn_fwd_scan_states_kernel.default, {"V": 128, "HAS_H0": False, "OUTPUT": False}),
-        ("gdn_fwd_state_output", KF.gdn_fwd_scan_kernel.default, {"V": 128, "HAS_H0": False, "OUTPUT": True}),
+        ("gdn_fwd_state_output", KF.gdn_fwd_scan_kernel.default,
+         {"V": 128, "HAS_H0": False, "OUTPUT": True, "HAS_T_BAD": True}),
         ("gdn_bwd_state", KB.gdn_bwd_state_kernel.default, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
         ("gdn_bwd_local", KB.gdn_bwd_local_kernel.default, {"V": 128}),
     ]:
         types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale",))
         for c in kern.configs:
-            yield name, kern.fn, types, {**common, **extra, **c.meta}, c
+            meta = {k: v for k, v in {**common, **extra, **c.meta}.items() if v is not None}
+            yield name, kern.fn, types, meta, c
 
 
 def conv_cases():

@@ -282,27 +282,18 @@ def test_gdn_nonfinite_stays_in_its_document(name, value):
 GDN_TOKENS = (64 + 20, 64 + 40, 64 + 60, 128 + 5)
 
 
-def _leaks_inside_a_chunk(name):
-    # q reaches its own row only, in every kernel; the others leak through the chunk's products
-    return [] if name == "q" else [pytest.mark.xfail(
-        strict=True, reason="known leak: inside a chunk the kernels' lower triangular products multiply "
-                            "their exact zeros by the non-finite rows below (0 * NaN = NaN), so the "
-                            "rows before the token turn NaN too; a fix (each chunk's first non-finite row found "
-                            "in a pass of its own, rows from it on read as 0) passes on the CPU and awaits its "
-                            "GPU correctness and speed check")]
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_leaks_inside_a_chunk(n)) for n in GDN_INPUTS])
+@pytest.mark.parametrize("name", GDN_INPUTS)
 def test_gdn_nonfinite_token_reaches_no_earlier_token(name, value, dtype):
     """Inside one sequence (150 tokens: two full chunks, a partial one), forward: head h holds a NaN / Inf
     at token GDN_TOKENS[h]. Its outputs before that token are exactly the clean run's (they cannot see
     it); the token's own output and every later one are non-finite (the state carries the value on),
     except for q, which reaches its own token only: every other output is the clean run's. In the
     chunked form every product inside a chunk is lower triangular (row i sums over rows <= i), and its
-    exact zeros above the diagonal must not multiply the non-finite rows below (kernels_fwd.py)."""
+    exact zeros above the diagonal must not multiply the non-finite rows below: the forward reads a
+    chunk's rows from its first non-finite one on as 0 and makes their outputs NaN (kernels_fwd.py)."""
     require_triton_kernels("gdn")
     H = len(GDN_TOKENS)
     x, kwargs = _gdn_inputs(1, 150, dtype, N=1, H=(H, H))
@@ -328,6 +319,38 @@ def test_gdn_nonfinite_token_reaches_no_earlier_token(name, value, dtype):
                 assert torch.equal(o[0, t + 1:, h], co[0, t + 1:, h]), f"{where}: an output after it changed"
             else:
                 assert seen[t:].all(), f"{where}: an output from it on stayed finite"
+
+
+@needs_kernels
+@pytest.mark.parametrize("t", [20, 66], ids=["full_chunk", "partial_chunk"])
+@pytest.mark.parametrize("name", ["k", "v", "g", "beta"])
+def test_gdn_nonfinite_token_reaches_no_earlier_token_of_its_document(name, t):
+    """The packed documents of test_gdn_nonfinite_stays_in_its_document (bf16, the raw gate and beta
+    logits, l2norm, a GQA group of 2 value heads), forward: a NaN at token t of the middle document (row
+    20 of its full chunk, or row 2 of its partial one). Its outputs before t are the clean run's, those
+    from t to the document's end non-finite in the heads it reaches (both value heads of the key head
+    for k, the last value head otherwise), the other head's and the other documents' outputs and final
+    states the clean run's."""
+    require_triton_kernels("gdn")
+    bounds = [0]
+    for n in GDN_DOCS:
+        bounds.append(bounds[-1] + n)
+    x, kwargs = _gdn_inputs(1, bounds[-1], torch.bfloat16, N=len(GDN_DOCS), gate=True)
+    kwargs.update(cu_seqlens=torch.tensor(bounds, device=DEVICE), use_qk_l2norm_in_kernel=True)
+    co, cht, _ = _gdn_clean(chunk_gated_delta_rule, x, kwargs)
+    start, end = bounds[1], bounds[2]
+    o, ht, _ = _gdn_run(chunk_gated_delta_rule, _gdn_poison(x, name, 0, start + t, float("nan")), kwargs)
+    o, ht, co, cht = (y.cpu() for y in (o, ht, co, cht))
+    assert torch.equal(o[0, :start + t], co[0, :start + t]), "an output before the token changed"
+    assert torch.equal(o[0, end:], co[0, end:]), "an output of the last document changed"
+    assert torch.equal(ht[0], cht[0]) and torch.equal(ht[2], cht[2]), "another document's final state changed"
+    reached = (0, 1) if name == "k" else (1,)
+    for h in range(2):
+        if h in reached:
+            assert (~o[0, start + t:end, h].isfinite()).any(-1).all(), f"head {h}: an output from it on stayed finite"
+            assert not ht[1, h].isfinite().all(), f"head {h}: the document's final state stayed finite"
+        else:
+            assert torch.equal(o[0, :, h], co[0, :, h]) and torch.equal(ht[1, h], cht[1, h]), f"head {h} changed"
 
 
 # ------------------------------------------------------------------------------------ causal conv1d

@@ -17,8 +17,9 @@ import torch
 
 from dflash_kernels.ops.gated_delta_rule.checks import check_gdn_inputs, check_kernel_grid, pop_fla_kwargs
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import gdn_bwd_local_kernel, gdn_bwd_state_kernel
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_scan_kernel, gdn_fwd_scan_states_kernel,
-                                                             gdn_fwd_solve_kernel, gdn_fwd_wu_kernel)
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_nonfinite_kernel, gdn_fwd_scan_kernel,
+                                                             gdn_fwd_scan_states_kernel, gdn_fwd_solve_kernel,
+                                                             gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_kernel, gdn_l2norm_fwd_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_recurrent import gdn_recurrent_fwd_kernel
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
@@ -99,27 +100,44 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     return dx
 
 
-def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0):
+def _nonfinite(k, v, g, beta, layout, gate=None, beta_mode=0):
+    """t_bad [chunks, Hv] int32: per chunk and value head, the first row (inside the chunk) whose k, v, g
+    or beta is NaN / Inf, 64 where none is (kernels_fwd.py's docstring: what the forward does with it)."""
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    N, n_chunks, cu, indices, offsets = layout
+    A_log, dt_bias = gate if gate is not None else (None, None)
+    t_bad = alloc.empty(n_chunks, Hv, dtype=torch.int32, device=k.device)
+    gdn_fwd_nonfinite_kernel((n_chunks, Hk), k, v, g, beta, A_log, dt_bias, t_bad, cu, indices, T,
+                             bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, IS_VARLEN=cu is not None,
+                             GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
+    return t_bad
+
+
+def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, t_bad=None):
     """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U.
-    gate: (A_log, dt_bias or None) when g is the raw gate; beta_mode: 1, 2 when beta holds logits."""
+    gate: (A_log, dt_bias or None) when g is the raw gate; beta_mode: 1, 2 when beta holds logits.
+    t_bad (``_nonfinite``; required when A is not given): the rows from each chunk's first non-finite
+    one on are read as 0; the backward's recompute passes none."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
     load_a = A is not None
     if not load_a:
+        assert t_bad is not None, "the solve needs t_bad"
         A = alloc.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
         gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
     w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
     u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
     if not load_a:
         A_log, dt_bias = gate if gate is not None else (None, None)
-        gdn_fwd_solve_kernel.of(k)((n_chunks, Hv), k, g, beta, A_log, dt_bias, gcum, A, cu, indices, T,
+        gdn_fwd_solve_kernel.of(k)((n_chunks, Hv), k, g, beta, A_log, dt_bias, t_bad, gcum, A, cu, indices, T,
                                    bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K),
                                    IS_VARLEN=cu is not None, GATE=gate is not None,
                                    HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
-    gdn_fwd_wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, w, u, cu, indices, T, bucket=(bucket(n_chunks),),
-                            HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None,
-                            BETA_MODE=beta_mode)
+    gdn_fwd_wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, t_bad, w, u, cu, indices, T,
+                            bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
+                            IS_VARLEN=cu is not None, BETA_MODE=beta_mode, HAS_T_BAD=t_bad is not None)
     return A, gcum, w, u
 
 
@@ -137,16 +155,18 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None, b
     return A, gcum, w, h, v_new, final_state
 
 
-def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale: float, state_v_first=False):
+def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale: float, state_v_first=False,
+          t_bad=None):
     """Launch ``_gdn_fwd_scan_kernel``: o given (forward), h and v_new given (the backward's recompute),
-    or all three (a training forward keeping the states for its backward)."""
+    or all three (a training forward keeping the states for its backward). t_bad (the forward's): o
+    from each chunk's first non-finite row on and the states after such a chunk are NaN."""
     B, T, Hk, K = k.shape
     Hv, V = u.shape[2], u.shape[3]
     N, cu, offsets = layout[0], layout[2], layout[4]
-    kernel(lambda m: (cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, h0, h, v_new, o, final_state, cu,
+    kernel(lambda m: (cdiv(V, m["BV"]), N * Hv), q, k, w, u, gcum, t_bad, h0, h, v_new, o, final_state, cu,
            offsets, T, scale, bucket=(bucket(N * Hv),), HAS_H0=h0 is not None, OUTPUT=o is not None, HK=Hk,
            HV=Hv, K=K, V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None, STATE_V_FIRST=state_v_first,
-           **({"SAVE": True} if o is not None and h is not None else {}))
+           HAS_T_BAD=t_bad is not None, **({"SAVE": True} if o is not None and h is not None else {}))
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool,
@@ -166,6 +186,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     cu_seqlens (int32), chunk_indices, chunk_offsets: the layout of ``_varlen_layout``.
     state_v_first: initial_state and the final state are [N, Hv, V, K].
 
+    A NaN / Inf in k, v, g or beta reaches no output before its token (kernels_fwd.py's docstring:
+    ``_nonfinite`` finds each chunk's first such row, which the solve, w/u and scan kernels respect).
+
     Other splits of the forward were measured slower on the H200 and not kept (w and u folded into
     the scan; the l2norm inside the solve, w/u and scan kernels; solve and w/u in one kernel; the
     output's terms precomputed for a shorter scan step): benchmarks/results/README.md.
@@ -177,7 +200,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
         k, _ = l2norm_fwd(k)
     layout = _layout(B, T, cu_seqlens, chunk_indices, chunk_offsets)
     gate = None if A_log is None else (A_log, dt_bias)
-    A, gcum, w, u = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode)
+    t_bad = _nonfinite(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode)
+    A, gcum, w, u = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode, t_bad=t_bad)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(layout[0], Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32,
                               device=k.device)
@@ -189,7 +213,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     else:
         h = v_new = None
     _scan(gdn_fwd_scan_kernel.of(q), q, k, w, u, gcum, initial_state, h, v_new, o, final_state, layout, scale,
-          state_v_first)
+          state_v_first, t_bad)
     if not save_states:  # three tensors: a custom op's outputs must not alias each other
         w, h, v_new = (alloc.empty(0, dtype=q.dtype, device=q.device) for _ in range(3))
     return o, final_state, A, gcum, w, h, v_new

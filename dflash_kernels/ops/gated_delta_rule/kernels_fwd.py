@@ -11,10 +11,35 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
     o  = scale (diag(exp(G)) Q S0 + tril(Q K^T * Gamma) U)
     S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U       the state at the chunk end
 
-Kernels: ``solve`` (G and A) and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential
-S0 -> S1 scan, parallel over sequences, heads and V blocks), which in the forward writes o as it goes
-and in the backward's recompute stores S0 and U per chunk instead. Their TritonKernel wrappers and
-tuning candidates close the module.
+Kernels: ``nonfinite`` (each chunk's first row holding a NaN / Inf, see below), ``solve`` (G and A)
+and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential S0 -> S1 scan, parallel over
+sequences, heads and V blocks), which in the forward writes o as it goes and in the backward's
+recompute stores S0 and U per chunk instead. Their TritonKernel wrappers and tuning candidates close
+the module.
+
+Non-finite inputs. Every product above is lower triangular inside the chunk (row i of A, w, u and
+``tril(Q K^T * Gamma) U`` sums over rows <= i), but a dot also multiplies the exact zeros above the
+diagonal, and 0 * NaN = NaN: a NaN / Inf at row t would reach the chunk's rows before t. Making each
+product safe costs the hot loops time and registers; instead the forward first finds, per chunk and
+value head, ``t_bad`` = the first row whose k (of its key head), v, g or beta, as the kernels use them
+(the decay from a raw gate, beta from logits), is not finite, BT when there is none (``nonfinite``: one
+read of those inputs). Then:
+
+- ``solve`` and ``wu`` load the rows from t_bad on as 0 (g, beta, k, v, and G): with every value they
+  meet finite, the rows before t_bad come out bit for bit as without the bad row (the masked entries
+  are exact zeros times finite values), and the rows from t_bad on are finite (A's rows are those of
+  the identity, w's and u's are 0);
+- the forward ``scan`` stores o as NaN from t_bad on and makes the state after the chunk NaN when
+  t_bad < BT, so the bad token's output and every later one of its sequence are non-finite, as in
+  the recurrence. Its own loads need no mask: k enters o only through ``tril(Q K^T * Gamma)``, whose
+  entries above the diagonal are selected (``tl.where``), not multiplied, and the state after the
+  chunk is NaN anyway; U's rows from t_bad on are 0 (w, u are).
+
+q is not checked: a non-finite q reaches its own output row only (its row of ``Q S0`` and of
+``Q K^T``), and no state. The backward recomputes w, u and the states from its inputs without t_bad
+(the forward's A and G): its gradients of a chunk with a bad row may be NaN, those of other sequences
+stay exact. A non-finite value that arises inside the math from finite inputs (an overflowing state)
+is not confined this way.
 
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
@@ -143,9 +168,60 @@ def _l_tile(kk, beta_i, G_i, G_j, m_i, DIAG: tl.constexpr):
     return tl.where(keep, kk * (beta_i[:, None] * gamma), 0.0)
 
 
+@triton.jit
+def _finite(x):
+    """1 where x (fp32) is finite, 0 where it is NaN or infinite (NaN compares false)."""
+    return tl.where(tl.abs(x) < float("inf"), 1, 0)
+
+
+@triton.jit
+def _bad_rows(ptr, rows, m_t, stride, D: tl.constexpr, BD: tl.constexpr):
+    """[BT] int32: 1 for each row of ``rows`` (row stride ``stride``) whose D elements at ``ptr``
+    hold a NaN or Inf, else 0; read in column blocks of BD."""
+    bad = tl.zeros([rows.shape[0]], dtype=tl.int32)
+    for i_d in tl.static_range(0, D, BD):
+        o_d = i_d + tl.arange(0, BD)
+        x = tl.load(ptr + rows[:, None] * stride + o_d[None, :], mask=m_t[:, None] & (o_d < D)[None, :], other=0)
+        bad = tl.maximum(bad, 1 - tl.min(_finite(x.to(tl.float32)), 1))
+    return bad
+
+
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_ptr, A_ptr, cu_seqlens_ptr,
-                          chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def _gdn_fwd_nonfinite_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_ptr, cu_seqlens_ptr,
+                              chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                              V: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr, BD: tl.constexpr,
+                              GATE: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False,
+                              BETA_MODE: tl.constexpr = 0):
+    """t_bad [chunks, HV] (int32) of one chunk and key head's group of value heads: the index inside the
+    chunk of the first row whose k, v, g or beta is NaN or infinite, BT when every row is finite (the
+    module docstring says what the forward does with it).
+
+    One program per key head, so its k is read once for all the value heads it serves. g and beta are
+    checked as the kernels use them: with GATE the decay computed from the raw gate (a raw -inf gives
+    decay 0, finite; +inf gives -inf, which the chunked form cannot take), with BETA_MODE the sigmoid of
+    the logits (finite for +-inf logits). Rows past the sequence's end read as finite.
+    """
+    i_c, i_hk = tl.program_id(0), tl.program_id(1)
+    GROUP: tl.constexpr = HV // HK
+    bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
+    o_i = tl.arange(0, BT)
+    m_t = i_t * BT + o_i < seqlen
+    rows = bos + i_t * BT + o_i
+    bad_k = _bad_rows(k_ptr + i_hk * K, rows, m_t, HK * K, K, BD)
+    for i_g in range(GROUP):
+        i_h = i_hk * GROUP + i_g
+        bad = tl.maximum(bad_k, _bad_rows(v_ptr + i_h * V, rows, m_t, HV * V, V, BD))
+        b_g = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+        if GATE:
+            b_g = gdn_gate(b_g, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS)
+        b_beta = gdn_beta(tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32), BETA_MODE)
+        bad = tl.maximum(bad, 2 - _finite(b_g) - _finite(b_beta))
+        tl.store(t_bad_ptr + i_c * HV + i_h, tl.min(tl.where((bad > 0) & m_t, o_i, BT), 0))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_ptr, gcum_ptr, A_ptr,
+                          cu_seqlens_ptr, chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, GATE: tl.constexpr = False,
                           HAS_DT_BIAS: tl.constexpr = False, BETA_MODE: tl.constexpr = 0):
     """G (cumulative gate) and A = (I + L)^-1 of one chunk.
@@ -153,6 +229,7 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_p
     The first kernel to read g and beta: with GATE, g is the raw gate and its log decay
     (``gdn_gate``) is computed here, on the way into the cumulative sum, so no pass over g precedes
     this one; BETA_MODE applies beta's sigmoid as it is loaded (``gdn_beta``), as every later reader does.
+    The rows from the chunk's t_bad on load as 0 (module docstring); G and A are stored for every row.
 
     L is built as three 32x32 tiles (the two diagonal halves and the lower-left E) and written to A's
     place, which then serves as scratch: the steps below read rows and blocks of L back and overwrite
@@ -181,28 +258,33 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_p
 
     o_h = tl.arange(0, H)
     m_lo, m_hi = t0 + o_h < seqlen, t0 + H + o_h < seqlen
+    # The rows read: valid and before the chunk's first non-finite row (module docstring).
+    t_bad = tl.load(t_bad_ptr + i_c * HV + i_h)
+    f_lo, f_hi = m_lo & (o_h < t_bad), m_hi & (H + o_h < t_bad)
     r_lo = bos + t0 + o_h
     r_hi = r_lo + H
-    # Padded rows load g = 0, so their G repeats the last valid one and every exp(G_i - G_j) <= 1.
-    g_lo = tl.load(g_ptr + r_lo * HV + i_h, mask=m_lo, other=0).to(tl.float32)
-    g_hi = tl.load(g_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32)
+    # Rows not read load g = 0, so their G repeats the last one read and every exp(G_i - G_j) <= 1.
+    g_lo = tl.load(g_ptr + r_lo * HV + i_h, mask=f_lo, other=0).to(tl.float32)
+    g_hi = tl.load(g_ptr + r_hi * HV + i_h, mask=f_hi, other=0).to(tl.float32)
     if GATE:
-        g_lo = tl.where(m_lo, gdn_gate(g_lo, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS), 0.0)
-        g_hi = tl.where(m_hi, gdn_gate(g_hi, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS), 0.0)
+        g_lo = tl.where(f_lo, gdn_gate(g_lo, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS), 0.0)
+        g_hi = tl.where(f_hi, gdn_gate(g_hi, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS), 0.0)
     G_lo = tl.cumsum(g_lo, 0)
     G_hi = tl.cumsum(g_hi, 0) + tl.sum(g_lo, 0)
     tl.store(gcum_ptr + r_lo * HV + i_h, G_lo, mask=m_lo)
     tl.store(gcum_ptr + r_hi * HV + i_h, G_hi, mask=m_hi)
-    beta_lo = gdn_beta(tl.load(beta_ptr + r_lo * HV + i_h, mask=m_lo, other=0).to(tl.float32), BETA_MODE)
-    beta_hi = gdn_beta(tl.load(beta_ptr + r_hi * HV + i_h, mask=m_hi, other=0).to(tl.float32), BETA_MODE)
+    beta_lo = gdn_beta(tl.load(beta_ptr + r_lo * HV + i_h, mask=f_lo, other=0).to(tl.float32), BETA_MODE)
+    beta_hi = gdn_beta(tl.load(beta_ptr + r_hi * HV + i_h, mask=f_hi, other=0).to(tl.float32), BETA_MODE)
 
+    # L's rows and columns not read are 0 (their k read as 0; rows kept by f_lo / f_hi); stored for every
+    # valid row, they make A's rows from t_bad on those of the identity.
     G2_lo, G2_hi = G_lo * LOG2E, G_hi * LOG2E
-    L_lo = _l_tile(_kk(k_ptr, r_lo, m_lo, r_lo, m_lo, i_hk, HK, K, BK, H), beta_lo, G2_lo, G2_lo, m_lo, True)
+    L_lo = _l_tile(_kk(k_ptr, r_lo, f_lo, r_lo, f_lo, i_hk, HK, K, BK, H), beta_lo, G2_lo, G2_lo, f_lo, True)
     _put(A_ptr, r_lo, m_lo, 0, L_lo, SA, H)
     _put(A_ptr, r_lo, m_lo, H, tl.zeros([H, H], dtype=tl.float32), SA, H)
-    L_hi = _l_tile(_kk(k_ptr, r_hi, m_hi, r_hi, m_hi, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_hi, m_hi, True)
+    L_hi = _l_tile(_kk(k_ptr, r_hi, f_hi, r_hi, f_hi, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_hi, f_hi, True)
     _put(A_ptr, r_hi, m_hi, H, L_hi, SA, H)
-    E = _l_tile(_kk(k_ptr, r_hi, m_hi, r_lo, m_lo, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_lo, m_hi, False)
+    E = _l_tile(_kk(k_ptr, r_hi, f_hi, r_lo, f_lo, i_hk, HK, K, BK, H), beta_hi, G2_hi, G2_lo, f_hi, False)
     _put(A_ptr, r_hi, m_hi, 0, E, SA, H)
     tl.debug_barrier()
 
@@ -251,11 +333,16 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, gcum_p
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu_seqlens_ptr, chunk_indices_ptr, T,
-                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, t_bad_ptr, w_ptr, u_ptr, cu_seqlens_ptr,
+                       chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
-                       BETA_MODE: tl.constexpr = 0):
-    """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute)."""
+                       BETA_MODE: tl.constexpr = 0, HAS_T_BAD: tl.constexpr = False):
+    """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute).
+
+    HAS_T_BAD (the forward): the rows from the chunk's t_bad on load as 0 (module docstring), so their
+    w and u are 0 (A's rows there are the identity's). Without it (the backward's recompute) every
+    valid row is read.
+    """
     tl.static_assert(BK >= K)
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
@@ -266,15 +353,19 @@ def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_i = tl.arange(0, BT)
-    b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-    b_beta = tl.where(m_t, gdn_beta(b_beta, BETA_MODE), 0.0)
+    if HAS_T_BAD:
+        f_t = m_t & (o_i < tl.load(t_bad_ptr + i_c * HV + i_h))  # the rows read
+    else:
+        f_t = m_t
+    b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=f_t, other=0).to(tl.float32)
+    b_beta = tl.where(f_t, gdn_beta(b_beta, BETA_MODE), 0.0)
     b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0)
-    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+                  mask=f_t[:, None] & m_k[None, :], other=0)
+    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=f_t, other=0)
     b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
 
     b_Ad = b_A.to(b_k.dtype)
-    b_kw = (b_k * (b_beta * tl.exp(tl.where(m_t, b_G, 0.0)))[:, None]).to(b_k.dtype)
+    b_kw = (b_k * (b_beta * tl.exp(tl.where(f_t, b_G, 0.0)))[:, None]).to(b_k.dtype)
     b_w = tl.dot(b_Ad, b_kw)
     tl.store(w_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_w.to(w_ptr.dtype.element_ty),
              mask=m_t[:, None] & m_k[None, :])
@@ -282,18 +373,19 @@ def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, w_ptr, u_ptr, cu
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_v = tl.load(v_ptr + p_v, mask=m_tv, other=0)
+        b_v = tl.load(v_ptr + p_v, mask=f_t[:, None] & (o_v < V)[None, :], other=0)
         b_u = tl.dot(b_Ad, (b_v * b_beta[:, None]).to(b_k.dtype))
         tl.store(u_ptr + p_v, b_u.to(u_ptr.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vnew_ptr, o_ptr, ht_ptr,
+def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, t_bad_ptr, h0_ptr, h_ptr, vnew_ptr, o_ptr, ht_ptr,
                          cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
                          HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False,
-                         LOOP_STAGES: tl.constexpr = None, STATE_V_FIRST: tl.constexpr = False):
+                         LOOP_STAGES: tl.constexpr = None, STATE_V_FIRST: tl.constexpr = False,
+                         HAS_T_BAD: tl.constexpr = False):
     """The S0 -> S1 scan, sequential over the chunks of one sequence (parallel over sequences, heads
     and V blocks), with the state and U cast to the input precision before their products.
 
@@ -302,6 +394,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
     Not OUTPUT (the backward's recompute): each chunk's start state (h) and U (vnew) are stored.
     OUTPUT and SAVE (a training forward that keeps them for the backward): both.
     STATE_V_FIRST: the initial and final states (h0, ht) are [V, K] per head; the per-chunk h stays [K, V].
+    HAS_T_BAD (with OUTPUT): o is NaN from each chunk's t_bad on, and the state after a chunk with
+    t_bad < BT is NaN (module docstring): one scalar load and a select per chunk, no load masks.
     """
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // HV, i_nh % HV
@@ -341,6 +435,9 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
             b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
             b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
 
+        if HAS_T_BAD:
+            t_bad = tl.load(t_bad_ptr + (boh + i_t) * HV + i_h)
+
         b_hd = b_h.to(dt)
         b_vnew = (b_u - tl.dot(b_w, b_hd)).to(dt)
         if OUTPUT:
@@ -349,6 +446,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
             b_P = tl.where(causal, b_P * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
             b_o = tl.dot(b_q, b_hd) * tl.exp(b_G)[:, None]
             b_o += tl.dot(b_P.to(dt), b_vnew)
+            if HAS_T_BAD:
+                b_o = tl.where((o_i < t_bad)[:, None], b_o, float("nan"))
             tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
             if SAVE:
                 tl.store(vnew_ptr + p_v, b_vnew.to(vnew_ptr.dtype.element_ty), mask=m_tv)
@@ -360,6 +459,8 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, h0_ptr, h_ptr, vn
 
         b_kd = (b_k * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
         b_h = b_h * tl.exp(b_Glast) + tl.dot(tl.trans(b_kd), b_vnew)
+        if HAS_T_BAD:
+            b_h = tl.where(t_bad < BT, float("nan"), b_h)
     store_state(ht_ptr + i_nh.to(tl.int64) * (K * V), b_h, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
 
 
@@ -386,6 +487,11 @@ class ByPrecision:
 # The fp32 candidates of the kernels tiled over V (ByPrecision says why so few).
 FP32_CONFIGS = [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)]
 
+# One pass over k, v, g and beta, no products: the column block BD sets how much of a row each load takes.
+gdn_fwd_nonfinite_kernel = TritonKernel(
+    _gdn_fwd_nonfinite_kernel, name="gdn_fwd_nonfinite",
+    configs=[Config(BD=64, num_warps=4), Config(BD=128, num_warps=4), Config(BD=64, num_warps=2)],
+    interpret_config=Config(BD=16))
 # The solve's substitution holds one [4, 16] row per step: one element per thread at 2 warps.
 gdn_fwd_solve_kernel = ByPrecision(_gdn_fwd_solve_kernel, "gdn_fwd_solve", [Config(num_warps=2), Config(num_warps=4)],
                                    [Config(num_warps=4, num_stages=1)], Config())
