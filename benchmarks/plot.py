@@ -15,6 +15,7 @@ import datetime
 import glob
 import json
 import os
+import textwrap
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -132,7 +133,7 @@ def plot_tok_s(path, out_dir):
         fig, axes = plt.subplots(1, ncols, figsize=(2 + 1.6 * len(rows) + (2 + 1.3 * len(profiled) if profiled else 0),
                                                     4.5), squeeze=False)
         ax = axes[0][0]
-        names = [f"{r['preset']}\n{r['group']}" for r in rows]
+        names = [f"{r['preset']}\n{_wrap(r['group'])}" for r in rows]
         bars = ax.bar(range(len(rows)), [r["tok_s"] for r in rows])
         for bar, r in zip(bars, rows):
             mfu = r.get("mfu")
@@ -183,6 +184,11 @@ def _newest_profiles(everything, newest):
     return out
 
 
+def _wrap(group: str) -> str:
+    """A group's name on lines of at most 20 characters (the bars' labels must not run into each other)."""
+    return "\n".join(textwrap.wrap(group, 20))
+
+
 def step_breakdown(rows):
     """``(labels, {category: [ms per row]})`` of rows with ``profile_ms``, categories in CATEGORY_ORDER
     (then any other category a row has), zero where a row has none; last, :data:`IDLE`: the row's
@@ -194,7 +200,7 @@ def step_breakdown(rows):
             else 0.0 for r in rows]
     if any(idle):
         per_cat[IDLE] = idle
-    return [f"{r['preset']}\n{r['group']}" + (f"\n({r['label_date']})" if r.get("label_date") else "") for r in rows], per_cat
+    return [f"{r['preset']}\n{_wrap(r['group'])}" + (f"\n({r['label_date']})" if r.get("label_date") else "") for r in rows], per_cat
 
 
 def _plot_step_breakdown(ax, rows):
