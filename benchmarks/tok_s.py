@@ -16,6 +16,9 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch;
 - (e) (a) with the plain torch norm / RoPE / SwiGLU chains in the drafter and the target, for the A/B
   of those ops (``--groups a,e``; not in the default);
+- (m) (a) with ``compute_weights="copies"`` (bf16 weight copies written by the optimizer) and (g) (a) with
+  the frozen target's feature forward replayed as CUDA graphs (``Target.use_cuda_graphs``; GPU only):
+  opt-in changes, A/B'd against (a) (``--groups a,m`` / ``a,g``; not in the default);
 - (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
   (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
   (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
@@ -67,7 +70,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "c", "e", "m")
+GROUPS = ("a", "b", "b+", "c", "e", "g", "m")
 
 
 def parse_args(argv=None):
@@ -78,7 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
-                   "norm/RoPE/SwiGLU chains); b+ and e are not in the default")
+                   "norm/RoPE/SwiGLU chains), g ((a) with the target's forward as CUDA graphs), m ((a) with bf16 "
+                   "weight copies); b+, e, g and m are not in the default")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
@@ -206,7 +210,7 @@ SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
-    if group in ("a", "e", "m"):
+    if group in ("a", "e", "g", "m"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "fused", "elementwise": True}
@@ -214,6 +218,10 @@ def group_plan(group: str, dev) -> dict:
             plan.update(label="(e) (a) with eager norm/RoPE/SwiGLU", elementwise=False)
         if group == "m":
             plan.update(label="(m) (a) with bf16 weight copies written by the step", adamw="copies")
+        if group == "g":
+            if cpu:
+                return {"label": "(g) (a) with the target's forward as CUDA graphs", "skip": "CUDA graphs need a GPU"}
+            plan.update(label="(g) (a) with the target's forward as CUDA graphs", target_graphs=True)
         return plan
     if group == "c":
         return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
@@ -410,6 +418,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         return row
     if group == "c":
         steps = min(steps, reference_steps)
+    target.use_cuda_graphs(plan.get("target_graphs", False))
     for op, name in plan["backends"].items():
         dk.set_backend(op, name)
     row["backends"] = _describe(plan, dev)
@@ -487,7 +496,7 @@ def parse_groups(text: str) -> list:
     groups = [g.strip() for g in text.split(",") if g.strip()]
     for g in groups:
         if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c, e and/or m")
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c, e, g and/or m")
     if "b+" in groups and "b" not in groups[:groups.index("b+")]:
         raise SystemExit("--groups: b+ compares each peer piece with (b) in the same run: put b before b+")
     return groups

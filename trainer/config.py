@@ -62,8 +62,12 @@ class TrainConfig:
     loss: str = "fused"
     # The drafter's matrix weights in the compute dtype: "autocast" = fp32 masters cast by autocast in every
     # forward (and the gradients cast back); "copies" = bf16 copies the forward runs with, written by the
-    # optimizer step (trainer/compute_weights.py; single-process loop only; opt-in, not yet timed on a GPU).
+    # optimizer step (trainer/compute_weights.py; single-process loop only; opt-in: on the H200 it removed
+    # 2 ms of casts per real-preset step and was not faster overall, 2026-12-02).
     compute_weights: str = "autocast"
+    # The frozen target's feature forward replayed as CUDA graphs (Target.use_cuda_graphs; CUDA only;
+    # opt-in until timed on a GPU).
+    target_cuda_graphs: bool = False
     seed: int = 0  # model init, data order and anchor sampling
     # --- runtime ---
     device: str = "auto"  # "auto" = cuda if available else cpu

@@ -307,6 +307,8 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overw
         for i, d in enumerate(tset):
             m = base.model if i == len(tset) - 1 else copy.deepcopy(base.model)
             R.targets[d] = Target(m.to(d), tok, base.layer_ids)
+            if cfg.target_cuda_graphs:
+                R.targets[d].use_cuda_graphs()
             log(f"target on {d}: loaded")
         for d in dict.fromkeys(R.ddevs):
             if d in R.targets:
@@ -636,7 +638,7 @@ def preflight(cfg: TrainConfig, log: RunLog = None) -> bool:
     found.append(f"data: {R.ds.stats.report(R.cfg.data)}; {R.total} steps of {R.world} x {R.cfg.batch_size} sequences")
     found.append(f"drafter: {R.params_n / 1e6:.2f}M parameters")
     ckpt = os.path.join(R.cfg.out_dir, CHECKPOINT_NAME)
-    found.append(f"out_dir: {R.cfg.out_dir}: " + (f"holds a checkpoint: a run there needs --resume or --overwrite"
+    found.append(f"out_dir: {R.cfg.out_dir}: " + ("holds a checkpoint: a run there needs --resume or --overwrite"
                                                  if os.path.exists(ckpt) else "no checkpoint (a new run)"))
     found.append(f"kernels: backends {dk.backends()}; {len(dk.cache_info())} compiled")
     ok = True

@@ -63,6 +63,8 @@ class Target:
         self._mask_types = sorted(set(types)) if types else None
         self._no_masks = {}  # (shape, device) -> bool: the all-None mapping gives the same features
         self._no_masks_lock = threading.Lock()
+        self._graphs = None  # use_cuda_graphs: (shape, dtype, device, stream) -> (graph, in, out, lock)
+        self._graphs_lock = threading.Lock()
 
     def _tap(self, i):
         def hook(module, args, output):
@@ -108,7 +110,53 @@ class Target:
         the pads, so their states are exact, and the pad positions are never read by the drafter
         (anchors and labels stay inside each sequence).
         """
+        if self._graphs is not None and input_ids.is_cuda:
+            return self._graphed(input_ids)
         return self._features(input_ids, self._mask_kwargs(input_ids))
+
+    def use_cuda_graphs(self, enabled: bool = True) -> None:
+        """Run :meth:`features` as replays of CUDA graphs (the frozen forward's kernels launched at once,
+        without the host's per-op work): one graph per input shape, device and stream, captured at its
+        first call after two eager warm-up calls (kernel compiles, tuning and library workspaces happen
+        there, never inside a capture). A replay copies the ids into the graph's input buffer and returns
+        a copy of its output. Memory: each graph keeps its forward's intermediates in a pool of its own.
+        Packed batches (``trainer.data.packed_target_features``) and CPU inputs run eagerly."""
+        if enabled and self.device.type != "cuda":
+            raise ValueError(f"target_cuda_graphs: needs the target on a CUDA device, it is on {self.device}")
+        with self._graphs_lock:
+            self._graphs = {} if enabled else None
+
+    def _graphed(self, input_ids):
+        stream = torch.cuda.current_stream(input_ids.device)
+        key = (tuple(input_ids.shape), input_ids.dtype, input_ids.device, stream.cuda_stream)
+        graphs = self._graphs
+        entry = graphs.get(key)
+        if entry is None:
+            with self._graphs_lock:
+                entry = graphs.get(key)
+                if entry is None:
+                    entry = graphs[key] = self._capture(input_ids)
+        graph, static_in, static_out, lock = entry
+        with lock:  # threads sharing a stream: each one's copy-in, replay and copy-out stay together in it
+            static_in.copy_(input_ids)
+            graph.replay()
+            return static_out.clone()
+
+    def _capture(self, input_ids):
+        kwargs = self._mask_kwargs(input_ids)  # its first call per shape compares two forwards (a sync)
+        static_in = input_ids.clone()
+        here = torch.cuda.current_stream(input_ids.device)
+        side = torch.cuda.Stream(input_ids.device)  # warm-up and capture on one stream (per-stream workspaces)
+        side.wait_stream(here)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._features(static_in, kwargs)
+        here.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads' CUDA work (other targets, drafters) may go on during the capture
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            static_out = self._features(static_in, kwargs)
+        return graph, static_in, static_out, threading.Lock()
 
     def _features(self, input_ids, kwargs):
         if not self._tapped:
