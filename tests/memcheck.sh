@@ -5,7 +5,11 @@
 # (attention and its mask, Gated DeltaNet, conv and the LM-head loss, norm / RoPE / SwiGLU), each
 # writing its own log, so a time limit cuts every family's tail rather than whole families.
 #
-#   bash tests/memcheck.sh [seconds per family, default 3000]
+#   bash tests/memcheck.sh [seconds per family, default 3000] [name=pattern ...]
+#
+# With name=pattern arguments only those families run (a pattern is a pytest -k expression, ANDed with
+# "odd"), e.g. the GDN candidates split over several processes:
+#   bash tests/memcheck.sh 560 fwd_state="gdn_fwd_state and not output" fwd_out="gdn_fwd_state_output"
 #
 # torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so memcheck sees every
 # buffer's real bounds; with it on, reads past a tensor land in the allocator's slack and go unseen.
@@ -19,6 +23,10 @@ if [ -z "$SAN" ]; then echo "compute-sanitizer not found (set COMPUTE_SANITIZER)
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1 DFLASH_KERNELS_POISON=1 PYTHONUNBUFFERED=1
 declare -A FAMILIES=([attention]="block_sparse or mask_rev" [gdn]="gdn" [conv_loss]="causal_conv1d or linear_ce"
                      [elementwise]="rms_norm or rope or swiglu")
+if [ $# -gt 1 ]; then
+  FAMILIES=()
+  for spec in "${@:2}"; do FAMILIES["${spec%%=*}"]="${spec#*=}"; done
+fi
 for fam in "${!FAMILIES[@]}"; do
   # the limit as SIGINT to pytest under the sanitizer: pytest stops, summarises, and memcheck writes its summary
   "$SAN" --tool memcheck --target-processes all --print-limit 50 --log-file "$OUT/$fam.memcheck.log" \
