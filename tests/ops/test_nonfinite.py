@@ -258,6 +258,17 @@ def test_gdn_nonfinite_stays_in_its_sequence(name, value):
     _gdn_check_confined(fused_recurrent_gated_delta_rule, x, kwargs, segments, 1, name, 20, value, grad=False)
 
 
+def _gdn_packed_docs():
+    """(inputs, kwargs, bounds) of the GDN_DOCS documents packed with cu_seqlens: bf16, the raw gate and
+    beta logits in the kernel, q/k l2norm in the kernel."""
+    bounds = [0]
+    for n in GDN_DOCS:
+        bounds.append(bounds[-1] + n)
+    x, kwargs = _gdn_inputs(1, bounds[-1], torch.bfloat16, N=len(GDN_DOCS), gate=True)
+    kwargs.update(cu_seqlens=torch.tensor(bounds, device=DEVICE), use_qk_l2norm_in_kernel=True)
+    return x, kwargs, bounds
+
+
 @needs_kernels
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("name", GDN_INPUTS)
@@ -267,11 +278,7 @@ def test_gdn_nonfinite_stays_in_its_document(name, value):
     the first document's partial chunk would run on to) leaves the first and last documents' o, final
     states and gradients exactly as in a clean run."""
     require_triton_kernels("gdn")
-    bounds = [0]
-    for n in GDN_DOCS:
-        bounds.append(bounds[-1] + n)
-    x, kwargs = _gdn_inputs(1, bounds[-1], torch.bfloat16, N=len(GDN_DOCS), gate=True)
-    kwargs.update(cu_seqlens=torch.tensor(bounds, device=DEVICE), use_qk_l2norm_in_kernel=True)
+    x, kwargs, bounds = _gdn_packed_docs()
     segments = [(0, slice(bounds[n], bounds[n + 1])) for n in range(len(GDN_DOCS))]
     _gdn_check_confined(chunk_gated_delta_rule, x, kwargs, segments, 1, name, 20, value, grad=True)
     _gdn_check_confined(fused_recurrent_gated_delta_rule, x, kwargs, segments, 1, name, 20, value, grad=False)
@@ -332,11 +339,7 @@ def test_gdn_nonfinite_token_reaches_no_earlier_token_of_its_document(name, t):
     for k, the last value head otherwise), the other head's and the other documents' outputs and final
     states the clean run's."""
     require_triton_kernels("gdn")
-    bounds = [0]
-    for n in GDN_DOCS:
-        bounds.append(bounds[-1] + n)
-    x, kwargs = _gdn_inputs(1, bounds[-1], torch.bfloat16, N=len(GDN_DOCS), gate=True)
-    kwargs.update(cu_seqlens=torch.tensor(bounds, device=DEVICE), use_qk_l2norm_in_kernel=True)
+    x, kwargs, bounds = _gdn_packed_docs()
     co, cht, _ = _gdn_clean(chunk_gated_delta_rule, x, kwargs)
     start, end = bounds[1], bounds[2]
     o, ht, _ = _gdn_run(chunk_gated_delta_rule, _gdn_poison(x, name, 0, start + t, float("nan")), kwargs)
