@@ -278,7 +278,7 @@ CATEGORIES = [("gdn", ("gdn", "chunk_gated", "chunk_fwd", "chunk_bwd", "recomput
               ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul", "_mm_")),
               ("copies/casts", ("copy", "cat", "index", "gather", "scatter", "fill", "embedding", "where")),
               ("norm/rope/activation", ("elementwise", "vectorized", "reduce", "triton_poi", "triton_red",
-                                        "triton_per", "silu", "rsqrt", "norm"))]
+                                        "triton_per", "silu", "rsqrt", "norm", "swiglu", "rope"))]
 
 
 def category(name: str) -> str:

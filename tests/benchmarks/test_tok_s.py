@@ -109,6 +109,8 @@ def test_flex_peer_matches_the_reference_attention():
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_copy_kernel_cuda>", "copies/casts"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "norm/rope/activation"),
+    ("_swiglu_fwd_kernel", "norm/rope/activation"), ("_rope_kernel", "norm/rope/activation"),
+    ("_triton_rope", "norm/rope/activation"), ("_swiglu_forward_kernel", "norm/rope/activation"),
     ("Memset (Device)", "other"),
 ])
 def test_profile_categories(name, cat):
