@@ -1,13 +1,15 @@
-"""The frozen target's feature forward, with and without the GDN layer route.
+"""The frozen target's feature forward: eager, with the GDN layer route, and replayed as CUDA graphs.
 
 transformers up to 5.2x copies the GDN layers' q and k to the value heads (``repeat_interleave``) before
 the delta rule; ``use_dflash_kernels(model, gdn_layers=True)`` replaces those layers' cache-less forward
 by one that gives the kernels q and k at their own head count. This script times what the route
 changes, where it applies: the trainer's target forward (``Target.features``, no grad) of the real
 preset's random Qwen3.5-4B-like target (32 layers, 24 of them GDN, 3072 tokens, bf16; norms, MLPs and
-RoPE routed as in tok_s's (a)), each setting in a process of its own: the ``do_bench`` median, the
-device time per forward from the profiler (5 forwards), and the features' relative difference between
-the two settings. With transformers that does not copy (no route to apply) both rows run the same code.
+RoPE routed as in tok_s's (a)). A third row replays the same forward as CUDA graphs
+(``Target.use_cuda_graphs``, the trainer's ``--target-cuda-graphs``), which removes the host's
+per-launch work. Each setting runs in a process of its own: the ``do_bench`` median, the device time
+per forward from the profiler (5 forwards), and the features' relative difference from the eager row.
+With transformers that does not copy (no route to apply) the first two rows run the same code.
 
     python benchmarks/bench_target_forward.py            # needs a CUDA GPU
 """
@@ -23,7 +25,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def worker(route: bool, out_path: str) -> None:
+MODES = ("eager", "route", "graphs")
+
+
+def worker(mode: str, out_path: str) -> None:
     from transformers import Qwen3_5TextConfig
     from torch.profiler import ProfilerActivity, profile
 
@@ -39,7 +44,9 @@ def worker(route: bool, out_path: str) -> None:
                              pad_token_id=0)
     target = _random_qwen35_target(text, preset("default", device="cuda", batch_size=1), torch.device("cuda"),
                                    torch.bfloat16, elementwise=True)
-    routing = use_dflash_kernels(target.model, elementwise=True, gdn_layers=route)
+    routing = use_dflash_kernels(target.model, elementwise=True, gdn_layers=mode == "route")
+    if mode == "graphs":
+        target.use_cuda_graphs()
     routes = [key for key in routing._patched if key[1].endswith("GatedDeltaNet.forward")]
     ids = torch.randint(8, text.vocab_size, (1, 3072), generator=torch.Generator().manual_seed(0)).cuda()
     feats = target.features(ids)
@@ -54,27 +61,27 @@ def worker(route: bool, out_path: str) -> None:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--worker", choices=["on", "off"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.worker == "on", args.out)
+        return worker(args.worker, args.out)
     if not torch.cuda.is_available():
         raise SystemExit("bench_target_forward: needs a CUDA GPU (a 4B-parameter target at 3072 tokens)")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("off", "on"):
+        for mode in MODES:
             path = os.path.join(tmp, mode + ".pt")
             subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", mode, "--out", path], check=True)
             rows[mode] = torch.load(path)
     import transformers
     print(f"target features, real preset | {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"transformers {transformers.__version__}")
+    ref = rows["eager"]["feats"]
     for mode, r in rows.items():
-        print(f"  gdn layer route {mode:>3}: {r['ms']:.2f} ms (do_bench median), {r['device_ms']:.2f} device ms, "
-              f"layers routed: {len(r['routes'])}")
-    ref, got = rows["off"]["feats"], rows["on"]["feats"]
-    print(f"  features, relative difference on vs off: {((got - ref).norm() / ref.norm()).item():.2e}")
+        diff = ((r["feats"] - ref).norm() / ref.norm()).item()
+        print(f"  {mode:>6}: {r['ms']:.2f} ms (do_bench median), {r['device_ms']:.2f} device ms, GDN layer classes "
+              f"routed: {len(r['routes'])}, features vs eager: {diff:.2e}")
 
 
 if __name__ == "__main__":
