@@ -23,9 +23,13 @@ def traced(args) -> bool:
     """True while a tracer sees these arguments (dynamo; AOT autograd tracing a compiled backward;
     make_fx / export): fake, functional or proxied tensors, which have no data for a kernel, or a
     dispatch mode that records the ops. Then the custom op runs, which the tracer knows how to treat."""
+    # is_compiling first: dynamo reads it as True and stops there (it cannot trace the stack's length)
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return True
-    return any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN for a in args)
+    for a in args:  # a traced call's tensors are all of the tracer's kind: the first one tells
+        if isinstance(a, torch.Tensor):
+            return type(a) not in _PLAIN
+    return False
 
 
 def differentiable_op(custom_op, impl, setup_context, backward):
