@@ -1,11 +1,40 @@
 """Test helpers shared by the test modules."""
 
+import functools
+import os
+
 import torch
 
 
 def device() -> torch.device:
     """CUDA when present (GPU runs of the suite), else the CPU (interpreter or reference backends)."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def on_reference_device(fn):
+    """``fn`` (a plain torch reference) run on ``DFLASH_TEST_REFERENCE_DEVICE`` when that is set: tensor
+    arguments go there, tensor results come back (differentiably, so gradients reach the callers' leaves).
+    ``tests/memcheck.sh`` sets it to ``cpu``: under memcheck every CUDA launch is instrumented, and a
+    step-by-step reference's thousands of small launches took most of a candidate's minutes."""
+    where = os.environ.get("DFLASH_TEST_REFERENCE_DEVICE")
+    if not where:
+        return fn
+    ref = torch.device(where)
+
+    def move(x, dev):
+        if isinstance(x, torch.Tensor):
+            return x.to(dev)
+        if isinstance(x, (tuple, list)):
+            return type(x)(move(y, dev) for y in x)
+        return x
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        back = next((a.device for a in args if isinstance(a, torch.Tensor)), ref)
+        out = fn(*move(args, ref), **{k: move(v, ref) for k, v in kwargs.items()})
+        return move(out, back)
+
+    return run
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -20,7 +20,9 @@ LIMIT=${1:-3000}
 mkdir -p "$OUT"
 SAN=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || ls -d /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)}
 if [ -z "$SAN" ]; then echo "compute-sanitizer not found (set COMPUTE_SANITIZER)"; exit 2; fi
-export PYTORCH_NO_CUDA_MEMORY_CACHING=1 DFLASH_KERNELS_POISON=1 PYTHONUNBUFFERED=1
+# The plain-torch references run on the CPU (tests/helpers.on_reference_device): only the kernels under test
+# need the sanitizer, and a step-by-step reference's thousands of instrumented launches dominated the time.
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1 DFLASH_KERNELS_POISON=1 PYTHONUNBUFFERED=1 DFLASH_TEST_REFERENCE_DEVICE=cpu
 declare -A FAMILIES=([attention]="block_sparse or mask_rev" [gdn]="gdn" [conv_loss]="causal_conv1d or linear_ce"
                      [elementwise]="rms_norm or rope or swiglu")
 if [ $# -gt 1 ]; then

@@ -25,7 +25,8 @@ or ``--preflight`` hand over to :func:`trainer.pipeline.cli` (threads, supervisi
 
 import sys
 
-if __name__ == "__main__":  # the run log opens before torch, transformers or the kernels are imported
+if __name__ == "__main__" and not {"-h", "--help"} & set(sys.argv[1:]):
+    # the run log opens before torch, transformers or the kernels are imported (not for --help: no run)
     from trainer.supervise import open_run_log
 
     open_run_log(sys.argv[1:])

@@ -158,3 +158,16 @@ def test_table_shows_the_gpu_idle_time_of_profiled_rows():
     lines = tok_s.format_table(rows).splitlines()
     col = lines[0].split(" | ").index("GPU idle ms")
     assert lines[2].split(" | ")[col].strip() == "22.7" and lines[3].split(" | ")[col].strip() == "-"
+
+
+def test_b_plus_is_the_fastest_measured_peer_row():
+    """The combination of the pieces that helped is not always faster than one piece alone (2026-12-02 on
+    the H200: cce+liger-ew 229.0 ms, liger-ew alone 191.8): (b+) is the fastest row, whichever it is."""
+    rows = [dict(group="(b) peers", ms_step=239.4), dict(group="(b+) cce", ms_step=214.9),
+            dict(group="(b+) liger-ew", ms_step=191.8), dict(group="(b+) liger", error="x"),
+            dict(group="(b+) cce+liger-ew", ms_step=229.0, b_plus_best=True)]
+    assert tok_s.mark_b_plus_best(rows)["group"] == "(b+) liger-ew"
+    assert [r["group"] for r in rows if r.get("b_plus_best")] == ["(b+) liger-ew"]
+    slow = [dict(group="(b) peers", ms_step=200.0), dict(group="(b+) cce", ms_step=210.0)]
+    assert tok_s.mark_b_plus_best(slow)["group"] == "(b) peers"  # no piece helped: (b) is (b+)
+    assert tok_s.mark_b_plus_best([dict(group="(b) peers", error="x")]) is None

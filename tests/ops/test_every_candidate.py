@@ -27,7 +27,7 @@ from triton.runtime.errors import OutOfResources
 import dflash_kernels.ops as ops_pkg
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import ByPrecision
 from dflash_kernels.runtime import TritonKernel
-from tests.helpers import check_close, rel_err, worst_row_err
+from tests.helpers import check_close, on_reference_device, rel_err, worst_row_err
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -172,7 +172,7 @@ def _gdn_recurrent(size, dtype):
     q, k, v, g, beta, h0 = _inputs(B, T, Hk, Hv, 128, 128, dtype, h0=True)
     kwargs = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o, ht = fused_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
-    ro, rht = naive_recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    ro, rht = on_reference_device(naive_recurrent_gated_delta_rule)(q, k, v, g, beta, **kwargs)
     assert o.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # as test_fused_recurrent
     _check("o", o, ro.to(dtype), tol, 4 * tol)

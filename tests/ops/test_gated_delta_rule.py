@@ -17,7 +17,7 @@ from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn_module
 from dflash_kernels.ops.gated_delta_rule import kernels_bwd, kernels_fwd
 from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from dflash_kernels.runtime import alloc, resolve
-from tests.helpers import device, rel_err, worst_row_err
+from tests.helpers import device, on_reference_device, rel_err, worst_row_err
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +56,8 @@ def _run(fn, tensors, kwargs, final, do, dht):
     """Outputs and gradients of ``fn`` on leaf copies of ``tensors`` (None entries stay None)."""
     leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
     q, k, v, g, beta, h0 = leaves
+    if fn.__name__.startswith("naive"):
+        fn = on_reference_device(fn)
     o, ht = fn(q, k, v, g, beta, initial_state=h0, output_final_state=final, **kwargs)
     loss = (o.float() * do).sum()
     if final:
