@@ -28,6 +28,11 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   unless it is one already measured. The fastest of all these rows, (b) included, is (b+) and carries
   ``b_plus_best`` (the combination is not always faster than its parts); the table's notes name it.
 
+On a GPU every group, and every (b+) variant, runs in a Python process of its own (``--isolate``, on by
+default there): the script runs itself with ``--child-group`` per row and collects the rows. The target is
+built again in each (random weights from the same seed: every row starts from the same model, drafter and
+batch); no row inherits another's allocator state, compiled kernels, autotuner state or patched modules.
+
 Each row reports tokens/s (target tokens of the batch per second of training step, the trainer's own
 definition), ms/step, the model FLOPs per step and the MFU they give against the H200's dense bf16
 peak of 989 TFLOP/s (``trainer/flops.py`` has the analytic count: target forward, drafter forward and
@@ -59,6 +64,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -96,7 +102,14 @@ def parse_args(argv=None):
     p.add_argument("--trace", default="", metavar="DIR",
                    help="also write each profiled group's torch.profiler trace (Chrome JSON) into DIR")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
-    return p.parse_args(argv)
+    p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
+                   help="each group in a Python process of its own (auto: on a GPU, where the rows are timed and "
+                        "recorded; off on a CPU, where the tiny rows only show the job runs)")
+    p.add_argument("--child-group", default="", help=argparse.SUPPRESS)  # one group, for --isolate's parent
+    args = p.parse_args(argv)
+    if args.child_group and (not args.preset or len(args.preset) != 1):
+        p.error("--child-group needs exactly one --preset")
+    return args
 
 
 # ------------------------------------------------------------------------------------------ presets
@@ -503,6 +516,7 @@ def parse_groups(text: str) -> list:
 
 
 def run_preset(name, args, dev, dtype, log) -> list:
+    """One preset's rows, every group in this process (``--isolate off``, or a child's one group)."""
     import dflash_kernels as dk
 
     cuda = dev.type == "cuda"
@@ -514,7 +528,6 @@ def run_preset(name, args, dev, dtype, log) -> list:
     c = setup.cfg
     log(f"\n== preset {name}: {setup.note}; batch {c.batch_size} x {c.max_len} tokens, {c.num_anchors} anchors, "
         f"drafter {c.num_layers} layers {c.num_heads}x{c.head_dim} heads; {dtype}; {warmup} warm-up + {steps} timed steps")
-    rows = []
 
     def one(g):
         log(f"  {name} group ({g}) ...")
@@ -529,26 +542,82 @@ def run_preset(name, args, dev, dtype, log) -> list:
             if cuda:
                 torch.cuda.empty_cache()
         log(f"    {row}")
-        rows.append(row)
         return row
 
-    for g in parse_groups(args.groups):
+    if args.child_group:
+        return [one(args.child_group)]
+    return run_groups(parse_groups(args.groups), one, log)
+
+
+CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "trace")
+
+
+def run_preset_isolated(name, args, dev, log) -> list:
+    """One preset's rows, each group (and each (b+) variant) in a Python process of its own: this script
+    with ``--child-group``, its rows handed back through ``--json``. No group inherits another's
+    allocator state, compiled kernels, autotuner state or patched modules. A child that dies is an error
+    row naming its exit status; its output (tracebacks included) is this process's."""
+    import tempfile
+
+    def one(g):
+        with tempfile.TemporaryDirectory(prefix="tok_s-") as tmp:
+            out = os.path.join(tmp, "rows.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--preset", name, "--device", dev.type,
+                   "--child-group", g, "--no-record", "--json", out]
+            for flag in CHILD_FLAGS:
+                value = getattr(args, flag)
+                if value not in (None, "", 0):
+                    cmd += [f"--{flag.replace('_', '-')}", str(value)]
+            if args.no_build:
+                cmd.append("--no-build")
+            sys.stdout.flush()
+            rc = subprocess.run(cmd, cwd=ROOT).returncode
+            rows = json.load(open(out))["rows"] if os.path.exists(out) else None
+        if rc == 0 and rows is not None and len(rows) == 1:
+            return rows[0]
+        if rc == 0 and rows == []:  # the preset skipped itself (embedded, not built, --no-build)
+            return None
+        row = {"preset": name, "group": group_plan(g, dev).get("label", g),
+               "error": f"child process for group {g!r} exited with status {rc}"}
+        log(f"    {row}")
+        return row
+
+    return run_groups(parse_groups(args.groups), one, log)
+
+
+def run_groups(groups, one, log) -> list:
+    """The rows of ``groups`` in order, ``one(group)`` giving each row (None: the preset is skipped).
+    ``b+`` runs each peer piece alone, then the pieces that made (b) faster together, and marks the fastest
+    of the (b) family's rows; every row gets ``a_over_this``."""
+    rows = []
+
+    def run(g):
+        row = one(g)
+        if row is not None:
+            rows.append(row)
+        return row
+
+    for g in groups:
         if g != "b+":
-            one(g)
+            if run(g) is None:
+                return []
             continue
         # (b+): each peer piece added to (b) alone, then the pieces that made (b) faster together
         b = next((r for r in rows if r["group"] == "(b) peers"), None)
-        plus = {v: one(f"b+{v}") for v in PLUS_VARIANTS}
+        plus = {v: run(f"b+{v}") for v in PLUS_VARIANTS}
+        plus = {v: r for v, r in plus.items() if r is not None}
         if b is None or "ms_step" not in b:
             log("    (b+) best: not formed ((b) has no timed row in this run)")
             continue
         losses = {"logits": b["ms_step"], **{v: r["ms_step"] for v, r in plus.items()
                                             if v in PLUS_LOSSES and "ms_step" in r}}
         loss = min(losses, key=losses.get)
-        ew = plus["liger-ew"].get("ms_step", float("inf")) < b["ms_step"]
+        ew = plus.get("liger-ew", {}).get("ms_step", float("inf")) < b["ms_step"]
         best = "+".join(([loss] if loss != "logits" else []) + (["liger-ew"] if ew else [])) or "logits"
         if best != "logits" and best not in plus:
-            plus[best] = one(f"b+{best}")
+            row = run(f"b+{best}")
+            if row is not None:
+                plus[best] = row
         mark_b_plus_best([b, *plus.values()])
     base = next((r for r in rows if r["group"].startswith("(a)") and "tok_s" in r), None)
     for r in rows:
@@ -640,9 +709,18 @@ def main(argv=None):
         log("No CUDA device: a tiny configuration on the CPU ((a) = the Triton kernels through the interpreter, "
             "(c) = the torch references; no peers). These numbers only show the job runs; they say nothing "
             "about GPU speed and are not recorded.")
+    isolate = args.isolate == "on" or (args.isolate == "auto" and want_cuda)
     rows = []
     for name in presets:
-        rows += run_preset(name, args, dev, dtype, log)
+        if isolate and not args.child_group:
+            rows += run_preset_isolated(name, args, dev, log)
+        else:
+            rows += run_preset(name, args, dev, dtype, log)
+    if args.child_group:  # the parent prints the table and records the rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**info, "rows": rows}, f, indent=1)
+        return rows
     log("\n" + format_table(rows))
     if want_cuda and not args.no_record:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)

@@ -171,3 +171,46 @@ def test_b_plus_is_the_fastest_measured_peer_row():
     slow = [dict(group="(b) peers", ms_step=200.0), dict(group="(b+) cce", ms_step=210.0)]
     assert tok_s.mark_b_plus_best(slow)["group"] == "(b) peers"  # no piece helped: (b) is (b+)
     assert tok_s.mark_b_plus_best([dict(group="(b) peers", error="x")]) is None
+
+
+def test_isolated_groups_run_in_processes_of_their_own(tmp_path):
+    """--isolate on (the GPU default): one child process per group, the same rows as in one process."""
+    out_json = tmp_path / "rows.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tok_s.py"), "--device", "cpu",
+                           "--groups", "a,c", "--steps", "1", "--warmup", "0", "--isolate", "on",
+                           "--json", str(out_json)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("== preset tiny") == 2, proc.stdout  # each child builds its own setup
+    import json
+    recs = {r["group"]: r for r in json.loads(out_json.read_text())["rows"]}
+    a, c = recs["(a) dflash_kernels"], recs["(c) reference"]
+    assert abs(a["loss_step1"] - c["loss_step1"]) < 1e-3 * abs(c["loss_step1"])  # same seed, model and batch
+    assert c["a_over_this"] == pytest.approx(a["tok_s"] / c["tok_s"])
+
+
+def test_a_child_that_dies_is_an_error_row(monkeypatch):
+    import types
+
+    monkeypatch.setattr(tok_s.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=-9))
+    args = tok_s.parse_args(["--groups", "a,b", "--device", "cpu"])
+    logged = []
+    rows = tok_s.run_preset_isolated("tiny", args, torch.device("cpu"), logged.append)
+    assert [r["group"] for r in rows] == ["(a) dflash_kernels", "(b) peers"]
+    assert all("exited with status -9" in r["error"] for r in rows), rows
+
+
+def test_run_groups_forms_b_plus_from_the_pieces_that_helped():
+    ms = {"a": 140.0, "b": 240.0, "b+liger": 250.0, "b+cce": 215.0, "b+liger-ew": 190.0, "b+cce+liger-ew": 230.0}
+    ran = []
+
+    def one(g):
+        ran.append(g)
+        label = {"a": "(a) dflash_kernels", "b": "(b) peers"}.get(g, f"(b+) {g[2:]}")
+        return dict(group=label, ms_step=ms[g], tok_s=1e6 / ms[g])
+
+    rows = tok_s.run_groups(["a", "b", "b+"], one, print)
+    assert ran == ["a", "b", "b+liger", "b+cce", "b+liger-ew", "b+cce+liger-ew"]  # the helpful pieces together last
+    assert [r["group"] for r in rows if r.get("b_plus_best")] == ["(b+) liger-ew"]
+    assert rows[1]["a_over_this"] == pytest.approx(240.0 / 140.0)
+    assert tok_s.run_groups(["a", "c"], lambda g: None, print) == []  # a preset that skips itself: no rows
