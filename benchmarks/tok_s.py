@@ -18,7 +18,9 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   of those ops (``--groups a,e``; not in the default);
 - (m) (a) with ``compute_weights="copies"`` (bf16 weight copies written by the optimizer) and (g) (a) with
   the frozen target's feature forward replayed as CUDA graphs (``Target.use_cuda_graphs``; GPU only):
-  opt-in changes, A/B'd against (a) (``--groups a,m`` / ``a,g``; not in the default);
+  opt-in changes, A/B'd against (a) (``--groups a,m`` / ``a,g``; not in the default); (bg) (b) with the
+  target's forward as CUDA graphs (the option is trainer code, which every group would share as a default;
+  ``--groups b,bg``);
 - (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
   (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
   (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
@@ -76,7 +78,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "c", "e", "g", "m")
+GROUPS = ("a", "b", "b+", "bg", "c", "e", "g", "m")
 
 
 def parse_args(argv=None):
@@ -87,8 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
-                   "norm/RoPE/SwiGLU chains), g ((a) with the target's forward as CUDA graphs), m ((a) with bf16 "
-                   "weight copies); b+, e, g and m are not in the default")
+                   "norm/RoPE/SwiGLU chains), g ((a) with the target's forward as CUDA graphs), bg ((b) with them), "
+                   "m ((a) with bf16 weight copies); b+, bg, e, g and m are not in the default")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
@@ -240,11 +242,14 @@ def group_plan(group: str, dev) -> dict:
         return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "foreach"}
     if cpu:
-        return {"label": "(b) peers", "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
+        return {"label": "(bg) (b) with the target's forward as CUDA graphs" if group == "bg" else "(b) peers",
+                "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
                 "flex is measured on the GPU)"}
     back, missing = peer_backends()
     plan = {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing),
             "loss": "logits", "adamw": "foreach"}
+    if group == "bg":  # the trainer's CUDA-graph option is trainer code, which every group shares
+        plan.update(label="(bg) (b) with the target's forward as CUDA graphs", target_graphs=True)
     if group.startswith("b+"):  # b+<loss>[+liger-ew]: (b) with a peer's fused loss and/or Liger's elementwise ops
         parts = group[2:].split("+")
         loss = parts[0] if parts[0] in PLUS_LOSSES else None
@@ -509,7 +514,7 @@ def parse_groups(text: str) -> list:
     groups = [g.strip() for g in text.split(",") if g.strip()]
     for g in groups:
         if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, c, e, g and/or m")
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, bg, c, e, g and/or m")
     if "b+" in groups and "b" not in groups[:groups.index("b+")]:
         raise SystemExit("--groups: b+ compares each peer piece with (b) in the same run: put b before b+")
     return groups

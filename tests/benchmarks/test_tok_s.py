@@ -214,3 +214,12 @@ def test_run_groups_forms_b_plus_from_the_pieces_that_helped():
     assert [r["group"] for r in rows if r.get("b_plus_best")] == ["(b+) liger-ew"]
     assert rows[1]["a_over_this"] == pytest.approx(240.0 / 140.0)
     assert tok_s.run_groups(["a", "c"], lambda g: None, print) == []  # a preset that skips itself: no rows
+
+
+def test_group_bg_is_b_with_the_target_graphs():
+    cuda = torch.device("cuda")
+    b, bg, g = tok_s.group_plan("b", cuda), tok_s.group_plan("bg", cuda), tok_s.group_plan("g", cuda)
+    assert bg["target_graphs"] is True and g["target_graphs"] is True and not b.get("target_graphs")
+    assert {k: v for k, v in bg.items() if k not in ("label", "target_graphs")} == {
+        k: v for k, v in b.items() if k != "label"}
+    assert "skip" in tok_s.group_plan("bg", torch.device("cpu"))
