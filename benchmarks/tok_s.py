@@ -557,7 +557,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
 CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "trace")
 
 
-def run_preset_isolated(name, args, dev, log) -> list:
+def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
     """One preset's rows, each group (and each (b+) variant) in a Python process of its own: this script
     with ``--child-group``, its rows handed back through ``--json``. No group inherits another's
     allocator state, compiled kernels, autotuner state or patched modules. A child that dies is an error
@@ -587,19 +587,21 @@ def run_preset_isolated(name, args, dev, log) -> list:
         log(f"    {row}")
         return row
 
-    return run_groups(parse_groups(args.groups), one, log)
+    return run_groups(parse_groups(args.groups), one, log, on_row)
 
 
-def run_groups(groups, one, log) -> list:
+def run_groups(groups, one, log, on_row=None) -> list:
     """The rows of ``groups`` in order, ``one(group)`` giving each row (None: the preset is skipped).
     ``b+`` runs each peer piece alone, then the pieces that made (b) faster together, and marks the fastest
-    of the (b) family's rows; every row gets ``a_over_this``."""
+    of the (b) family's rows; every row gets ``a_over_this``. ``on_row(rows)`` after each row."""
     rows = []
 
     def run(g):
         row = one(g)
         if row is not None:
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
         return row
 
     for g in groups:
@@ -716,9 +718,15 @@ def main(argv=None):
             "about GPU speed and are not recorded.")
     isolate = args.isolate == "on" or (args.isolate == "auto" and want_cuda)
     rows = []
+
+    def partial(preset_rows):  # the rows so far, in --json, should the run be cut short
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**info, "rows": rows + preset_rows, "partial": True}, f, indent=1)
+
     for name in presets:
         if isolate and not args.child_group:
-            rows += run_preset_isolated(name, args, dev, log)
+            rows += run_preset_isolated(name, args, dev, log, partial)
         else:
             rows += run_preset(name, args, dev, dtype, log)
     if args.child_group:  # the parent prints the table and records the rows
