@@ -27,7 +27,7 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   position weights applied outside, ``benchmarks/peers.py``), and Liger's RMSNorm / RoPE / SwiGLU in
   the drafter and its RMSNorm / SwiGLU MLP in the target (``b+liger-ew``); then the pieces that made
   (b) faster together (the fastest loss, Liger's elementwise ops if they helped), run as one more row
-  unless it is one already measured. The fastest of all these rows, (b) included, is (b+) and carries
+  unless it is one already measured (``--plus`` picks the variants run alone; default all). The fastest of all these rows, (b) included, is (b+) and carries
   ``b_plus_best`` (the combination is not always faster than its parts); the table's notes name it.
 
 On a GPU every group, and every (b+) variant, runs in a Python process of its own (``--isolate``, on by
@@ -91,6 +91,8 @@ def parse_args(argv=None):
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
                    "norm/RoPE/SwiGLU chains), g ((a) with the target's forward as CUDA graphs), bg ((b) with them), "
                    "m ((a) with bf16 weight copies); b+, bg, e, g and m are not in the default")
+    p.add_argument("--plus", default="", help="the (b+) variants to run alone, comma-separated (default all: "
+                   "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
@@ -111,6 +113,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.child_group and (not args.preset or len(args.preset) != 1):
         p.error("--child-group needs exactly one --preset")
+    parse_plus(args.plus)
     return args
 
 
@@ -551,7 +554,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
 
     if args.child_group:
         return [one(args.child_group)]
-    return run_groups(parse_groups(args.groups), one, log)
+    return run_groups(parse_groups(args.groups), one, log, plus_variants=parse_plus(args.plus))
 
 
 CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "trace")
@@ -587,10 +590,19 @@ def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
         log(f"    {row}")
         return row
 
-    return run_groups(parse_groups(args.groups), one, log, on_row)
+    return run_groups(parse_groups(args.groups), one, log, on_row, parse_plus(args.plus))
 
 
-def run_groups(groups, one, log, on_row=None) -> list:
+def parse_plus(text: str) -> tuple:
+    """``--plus`` -> the (b+) variants to run alone (default all of :data:`PLUS_VARIANTS`)."""
+    chosen = tuple(v.strip() for v in text.split(",") if v.strip()) if text else PLUS_VARIANTS
+    for v in chosen:
+        if v not in PLUS_VARIANTS:
+            raise SystemExit(f"--plus: unknown (b+) variant {v!r}; use {', '.join(PLUS_VARIANTS)}")
+    return chosen
+
+
+def run_groups(groups, one, log, on_row=None, plus_variants=PLUS_VARIANTS) -> list:
     """The rows of ``groups`` in order, ``one(group)`` giving each row (None: the preset is skipped).
     ``b+`` runs each peer piece alone, then the pieces that made (b) faster together, and marks the fastest
     of the (b) family's rows; every row gets ``a_over_this``. ``on_row(rows)`` after each row."""
@@ -611,7 +623,7 @@ def run_groups(groups, one, log, on_row=None) -> list:
             continue
         # (b+): each peer piece added to (b) alone, then the pieces that made (b) faster together
         b = next((r for r in rows if r["group"] == "(b) peers"), None)
-        plus = {v: run(f"b+{v}") for v in PLUS_VARIANTS}
+        plus = {v: run(f"b+{v}") for v in plus_variants}
         plus = {v: r for v, r in plus.items() if r is not None}
         if b is None or "ms_step" not in b:
             log("    (b+) best: not formed ((b) has no timed row in this run)")

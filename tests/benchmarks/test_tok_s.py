@@ -223,3 +223,18 @@ def test_group_bg_is_b_with_the_target_graphs():
     assert {k: v for k, v in bg.items() if k not in ("label", "target_graphs")} == {
         k: v for k, v in b.items() if k != "label"}
     assert "skip" in tok_s.group_plan("bg", torch.device("cpu"))
+
+
+def test_plus_picks_the_b_plus_variants():
+    ran = []
+
+    def one(g):
+        ran.append(g)
+        return dict(group="(b) peers" if g == "b" else f"(b+) {g[2:]}",
+                    ms_step={"b": 240.0, "b+cce": 215.0, "b+liger-ew": 190.0}.get(g, 230.0), tok_s=1.0)
+
+    tok_s.run_groups(["b", "b+"], one, print, plus_variants=tok_s.parse_plus("cce,liger-ew"))
+    assert ran == ["b", "b+cce", "b+liger-ew", "b+cce+liger-ew"]
+    assert tok_s.parse_plus("") == tok_s.PLUS_VARIANTS
+    with pytest.raises(SystemExit, match="--plus: unknown"):
+        tok_s.parse_args(["--plus", "cce,flce"])
