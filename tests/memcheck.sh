@@ -2,7 +2,7 @@
 # Every forced tuning candidate (tests/ops/test_every_candidate.py, the odd sizes) under
 # compute-sanitizer's memcheck, on a CUDA machine. Out-of-bounds or misaligned accesses of any kernel
 # show as memcheck errors. Four sanitized pytest processes run side by side, one per kernel family
-# (attention and its mask, Gated DeltaNet, conv and the LM-head loss, norm / RoPE / SwiGLU), each
+# (attention and its mask, Gated DeltaNet, conv, LM-head loss and AdamW, norm / RoPE / SwiGLU), each
 # writing its own log, so a time limit cuts every family's tail rather than whole families.
 #
 #   bash tests/memcheck.sh [seconds per family, default 3000] [name=pattern ...]
@@ -23,7 +23,7 @@ if [ -z "$SAN" ]; then echo "compute-sanitizer not found (set COMPUTE_SANITIZER)
 # The plain-torch references run on the CPU (tests/helpers.on_reference_device): only the kernels under test
 # need the sanitizer, and a step-by-step reference's thousands of instrumented launches dominated the time.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1 DFLASH_KERNELS_POISON=1 PYTHONUNBUFFERED=1 DFLASH_TEST_REFERENCE_DEVICE=cpu
-declare -A FAMILIES=([attention]="block_sparse or mask_rev" [gdn]="gdn" [conv_loss]="causal_conv1d or linear_ce"
+declare -A FAMILIES=([attention]="block_sparse or mask_rev" [gdn]="gdn" [conv_loss]="causal_conv1d or linear_ce or adamw"
                      [elementwise]="rms_norm or rope or swiglu")
 if [ $# -gt 1 ]; then
   FAMILIES=()

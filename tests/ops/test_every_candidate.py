@@ -351,3 +351,17 @@ def test_candidate(monkeypatch, name, index, size):
         assert all(c == config.as_dict() for c in used), f"{name}: ran {used}, not {config}"
     finally:
         kernel.reset()
+
+
+def test_memcheck_families_cover_every_kernel():
+    """``tests/memcheck.sh``'s default families (pytest -k expressions of names joined by ``or``) reach every
+    kernel found here: a kernel added later is not silently left out of the memcheck run."""
+    import os
+    import re
+
+    script = open(os.path.join(os.path.dirname(__file__), "..", "memcheck.sh")).read()
+    families = re.search(r"declare -A FAMILIES=\((.*?)\)\n", script, re.S).group(1)
+    words = [w.strip() for expr in re.findall(r'\]="([^"]*)"', families) for w in expr.split(" or ")]
+    assert words and all(re.fullmatch(r"\w+", w) for w in words), words
+    missing = [name for name in KERNELS if not any(w in name for w in words)]
+    assert not missing, f"kernels in no memcheck family: {missing}"
