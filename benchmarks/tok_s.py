@@ -575,6 +575,7 @@ def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
             for flag in CHILD_FLAGS:
                 value = getattr(args, flag)
                 if value not in (None, "", 0):
+                    value = os.path.abspath(value) if flag == "trace" else value  # the child runs in ROOT
                     cmd += [f"--{flag.replace('_', '-')}", str(value)]
             if args.no_build:
                 cmd.append("--no-build")
