@@ -25,6 +25,10 @@ every micro-batch is consumed exactly once and a resumed run sees the same ones.
 - Kernels are compiled before the workers start (``dflash_kernels.precompile`` for the drafter's
   attention, one warm-up forward of the target on each target device) and the workers run under
   ``dflash_kernels.strict()``.
+- Utilisation: each worker's :class:`Meter` times its work (CUDA events on its stream) and the host time
+  it is blocked on a queue or the gradient barrier; at the end the run logs each device's busy fraction
+  per role, the device and blocked ms per micro-batch of each role and each GPU's peak memory, and writes
+  them to ``OUT_DIR/pipeline_stats.json`` (:func:`pipeline_stats`).
 - Failures: :mod:`trainer.supervise` (any worker's exception stops all of them and is raised here
   with its traceback; a graceful stop request is honoured at the next step, with a checkpoint).
 """
@@ -56,7 +60,8 @@ from trainer.supervise import (EXIT_FAILED, EXIT_OK, RunLog, StopRequest, Stoppe
 from trainer.target import Target, load_target, resolve_mask_token_id
 from trainer.step import attention_precompile_specs, clip_and_step, drafter_loss, target_features
 
-__all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_digest", "cli", "PipelineState"]
+__all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_digest", "cli", "PipelineState",
+           "Meter", "pipeline_stats", "format_pipeline_stats"]
 
 _POLL_S = 0.1  # how often a blocked worker looks at the stop flag
 _STATS = 5  # loss, hits, counted, tokens, stop; then acc_by_pos[block_size]
@@ -199,6 +204,88 @@ def _sync(dev):
         torch.cuda.current_stream(dev).synchronize()
 
 
+class Meter:
+    """One worker's timings: the device time of its work (CUDA events on the worker's stream, from the
+    first kernel of a span to its last, gaps included; host time on a CPU) and the host time it spent
+    blocked (on a queue or the gradient barrier). Spans are folded into totals as they age, so a long run
+    keeps a bounded number of events."""
+
+    _KEEP = 16  # spans kept unresolved; older ones have finished and cost nothing to read
+
+    def __init__(self, role: str, index: int, dev: torch.device):
+        self.role, self.index, self.dev = role, index, dev
+        self.cuda = dev.type == "cuda"
+        self.busy_ms = 0.0
+        self.wait_s = 0.0
+        self.units = 0
+        self._open = []
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def span(self, start, end) -> None:
+        """Count the work between two marks of this worker's (``end`` taken after ``start``)."""
+        self._open.append((start, end))
+        while len(self._open) > self._KEEP:
+            self._fold(*self._open.pop(0))
+
+    def _fold(self, start, end):
+        if self.cuda:
+            end.synchronize()
+            self.busy_ms += start.elapsed_time(end)
+        else:
+            self.busy_ms += (end - start) * 1e3
+
+    def done(self) -> None:
+        """One unit of work (a micro-batch) finished."""
+        self.units += 1
+
+    def waited(self, t0: float) -> None:
+        self.wait_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        for pair in self._open:
+            self._fold(*pair)
+        self._open = []
+
+
+def pipeline_stats(meters, wall_s: float, devices) -> dict:
+    """The run's utilisation from its workers' meters: per device the busy fraction of each role (device time
+    over the training phase's wall time; roles sharing a GPU overlap, so their sum can pass 1), per role the
+    device ms and blocked ms per micro-batch, and each device's peak memory."""
+    out = {"wall_s": wall_s, "devices": {}, "roles": {}}
+    for m in meters:
+        m.close()
+    for dev in devices:
+        mine = [m for m in meters if m.dev == dev]
+        row = {f"{role}_busy": sum(m.busy_ms for m in mine if m.role == role) / 1e3 / max(wall_s, 1e-9)
+               for role in sorted({m.role for m in mine})}
+        if dev.type == "cuda":
+            row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2**30
+        out["devices"][str(dev)] = row
+    for role in sorted({m.role for m in meters}):
+        mine = [m for m in meters if m.role == role]
+        units = max(sum(m.units for m in mine), 1)
+        out["roles"][role] = {"workers": len(mine), "units": units,
+                              "device_ms_per_unit": sum(m.busy_ms for m in mine) / units,
+                              "blocked_ms_per_unit": sum(m.wait_s for m in mine) * 1e3 / units}
+    return out
+
+
+def format_pipeline_stats(st: dict) -> str:
+    devs = "; ".join(f"{d} " + ", ".join(f"{k[:-5]} busy {v:.0%}" for k, v in row.items() if k.endswith("_busy"))
+                     + (f", peak {row['peak_GiB']:.1f} GiB" if "peak_GiB" in row else "")
+                     for d, row in st["devices"].items())
+    roles = "; ".join(f"{r}: {v['device_ms_per_unit']:.1f} ms device + {v['blocked_ms_per_unit']:.1f} ms blocked "
+                      f"per micro-batch ({v['workers']} workers, {v['units']} micro-batches)"
+                      for r, v in st["roles"].items())
+    return f"pipeline: {st['wall_s']:.1f} s of training; {devs}; {roles}"
+
+
 @dataclass
 class PipelineState:
     """A pipeline run's state: what :func:`_setup` built before the workers start, and how far they got."""
@@ -234,6 +321,7 @@ class PipelineState:
     history: list = field(default_factory=list)  # metrics.jsonl records (main rank)
     metrics: object = None  # metrics.jsonl open for appending (main rank)
     reduce_stream: object = None  # the gradient reduction's CUDA stream
+    stats: dict = None  # pipeline_stats of the training phase
 
 
 def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overwrite: bool = False,
@@ -399,7 +487,7 @@ def _precompile(R: PipelineState):
         log.progress(f"warm-up drafter {d}")
 
 
-def _target_worker(sup: Supervisor, R: PipelineState, t: int, queues):
+def _target_worker(sup: Supervisor, R: PipelineState, t: int, queues, meter: Meter):
     cfg, dev = R.cfg, R.tdevs[t]
     target = R.targets[dev]
     handoff = _Handoff(dev, R.ddevs)
@@ -419,10 +507,15 @@ def _target_worker(sup: Supervisor, R: PipelineState, t: int, queues):
             fault_point("target", t, n, R.log)
             if dev.type == "cuda":
                 batch = {key: v.pin_memory() if torch.is_tensor(v) else v for key, v in batch.items()}
+            m0 = meter.mark()
             feats = target_features(target, batch, dev)
+            meter.span(m0, meter.mark())
             out, ev = handoff.send(feats, R.ddevs[d])
             del feats
+            w0 = time.perf_counter()
             _put(queues[t][d], (step, k, batch, out, ev), sup)
+            meter.waited(w0)
+            meter.done()
             R.log.progress(f"target{t} batch {n}")
             j += R.T
             n += 1
@@ -452,7 +545,7 @@ def _reduce(R: PipelineState, shared: _Shared, stop: StopRequest):
 
 
 def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: threading.Barrier,
-                    shared: _Shared):
+                    shared: _Shared, meter: Meter):
     cfg, dev, log = R.cfg, R.ddevs[d], R.log
     drafter, opt, sched, flat, heads = R.replicas[d], R.opts[d], R.scheds[d], R.flats[d], R.heads[dev]
     params = list(drafter.parameters())
@@ -466,10 +559,13 @@ def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: 
         window = []
         for step in range(R.start, R.total):
             t = (step * R.D + d) % R.T
+            w0 = time.perf_counter()
             got_step, k, batch, feats, ev = _get(queues[t][d], sup)
+            meter.waited(w0)
             assert got_step == step, (got_step, step, d)
             fault_point("drafter", d, step, log)
             feats = _receive(feats, ev)
+            m0 = meter.mark()
             loss, st = drafter_loss(batch, feats, heads, drafter, cfg, dev, R.dtype)
             loss.backward()
             del feats
@@ -483,10 +579,14 @@ def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: 
             if R.record is not None:
                 R.record.append({"step": step, "replica": d, "rank": R.dist.rank, "micro": k,
                                  "ids_sum": int(batch["input_ids"].sum())})
+            meter.span(m0, meter.mark())
             _sync(dev)
             shared.flats[d] = flat
+            w0 = time.perf_counter()
             barrier.wait()
+            meter.waited(w0)
             red = shared.reduced
+            m0 = meter.mark()
             if red.device != dev:
                 flat.copy_(red, non_blocking=True)
             else:
@@ -494,6 +594,8 @@ def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: 
             gnorm = clip_and_step(opt, params, cfg.grad_clip)
             sched.step()
             opt.zero_grad(set_to_none=False)  # keep the views into the flat buffer
+            meter.span(m0, meter.mark())
+            meter.done()
             stats = red[n:].tolist()
             stop_now = stats[4] > 0
             cur = step + 1
@@ -538,7 +640,7 @@ def _save(R: PipelineState, step: int):
 
 def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, stop: StopRequest = None,
                  stop_after: int = None, record: list = None, dist: Dist = None, overwrite: bool = False,
-                 allow_config_change: bool = False) -> list:
+                 allow_config_change: bool = False, stats: dict = None) -> list:
     """Train with the threaded pipeline; returns the per-step records (``metrics.jsonl``, rank 0).
 
     Args:
@@ -548,6 +650,8 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
         stop: a graceful stop request (signals set it); honoured after the current step, with a checkpoint.
         stop_after: leave after that global step, with a checkpoint (tests).
         record: if a list, each replica appends ``{step, replica, rank, micro, ids_sum}`` per micro-batch.
+        stats: if a dict, filled with :func:`pipeline_stats` of the run (also logged, and written to
+            ``OUT_DIR/pipeline_stats.json`` by the main rank).
     Raises:
         trainer.supervise.WorkerFailed: a worker raised (its traceback is in the log and in ``.tb``).
     """
@@ -572,6 +676,8 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
     barrier = threading.Barrier(R.D, action=lambda: _reduce(R, shared, stop))
     sup.add_abort(barrier.abort)
     queues = [[queue.Queue(maxsize=cfg.queue_depth) for _ in range(R.D)] for _ in range(R.T)]
+    meters = [Meter("target", t, dev) for t, dev in enumerate(R.tdevs)] + [
+        Meter("drafter", d, dev) for d, dev in enumerate(R.ddevs)]
     t0 = time.perf_counter()
     try:
         with dk.strict():
@@ -579,14 +685,22 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
             log.progress("training start")
             log.phase = "train"
             for t in range(R.T):
-                sup.spawn(f"target{t}", _target_worker, R, t, queues)
+                sup.spawn(f"target{t}", _target_worker, R, t, queues, meters[t])
             for d in range(R.D):
-                sup.spawn(f"drafter{d}", _drafter_worker, R, d, queues, barrier, shared)
+                sup.spawn(f"drafter{d}", _drafter_worker, R, d, queues, barrier, shared, meters[R.T + d])
             sup.wait()
     finally:
         log.phase = "setup"
         if R.dist.is_main:
             R.metrics.close()
+    wall = time.perf_counter() - t0
+    R.stats = pipeline_stats(meters, wall, sorted({*R.tdevs, *R.ddevs}, key=str))
+    log(format_pipeline_stats(R.stats))
+    if R.dist.is_main:
+        with open(os.path.join(cfg.out_dir, "pipeline_stats.json"), "w") as f:
+            json.dump({**R.stats, "rank": R.dist.rank, "steps": R.step - R.start}, f, indent=1)
+    if stats is not None:
+        stats.update(R.stats)
     step = R.step
     # Equal values in separate storage: replicas that shared parameters would compare equal trivially
     # while each step updated them once per replica.

@@ -153,3 +153,40 @@ def test_per_process_device_lists(monkeypatch):
     assert local_part("0-4", "target_gpus") == "0-4"
     with pytest.raises(ValueError, match="drafter_gpus"):
         local_part("3;5;7", "drafter_gpus")
+
+
+def test_utilisation_stats(tmp_path, tiny_qwen3_dir, counting_data):
+    """Each worker's device time and blocked time, per device and per role, logged and in pipeline_stats.json."""
+    steps, T, D = 4, 2, 3
+    cfg = cfg_for(tiny_qwen3_dir, counting_data, tmp_path, steps=steps, target_gpus=f"cpu:{T}", drafter_gpus=f"cpu:{D}")
+    lines, stats = [], {}
+    log = RunLog()
+    log.log = lines.append
+    run_pipeline(cfg, log=log, stats=stats)
+    assert stats["roles"]["target"]["units"] == stats["roles"]["drafter"]["units"] == steps * D  # every micro-batch
+    assert stats["roles"]["target"]["workers"] == T and stats["roles"]["drafter"]["workers"] == D
+    for role in ("target", "drafter"):
+        assert stats["roles"][role]["device_ms_per_unit"] > 0 and stats["roles"][role]["blocked_ms_per_unit"] >= 0
+    # CPU workers are threads on a few cores: their busy fractions may overlap, each is within the wall time
+    row = stats["devices"]["cpu"]
+    assert 0 < row["target_busy"] <= T + 1e-6 and 0 < row["drafter_busy"] <= D + 1e-6
+    assert sum(stats["roles"][r]["device_ms_per_unit"] * stats["roles"][r]["units"] for r in ("target", "drafter")) \
+        <= stats["wall_s"] * 1e3 * (T + D)
+    assert any(s.startswith("pipeline: ") and "drafter busy" in s for s in lines), lines
+    saved = json.loads((tmp_path / "pipeline_stats.json").read_text())
+    assert saved["roles"] == stats["roles"] and saved["steps"] == steps
+
+
+def test_meter_folds_old_spans():
+    from trainer.pipeline import Meter, pipeline_stats
+
+    m = Meter("target", 0, torch.device("cpu"))
+    for _ in range(40):
+        a = m.mark()
+        b = a + 0.001  # a 1 ms span (host marks are perf_counter seconds)
+        m.span(a, b)
+        m.done()
+    assert len(m._open) <= Meter._KEEP
+    st = pipeline_stats([m], wall_s=0.08, devices=[torch.device("cpu")])
+    assert st["roles"]["target"]["device_ms_per_unit"] == pytest.approx(1.0)
+    assert st["devices"]["cpu"]["target_busy"] == pytest.approx(0.5)
