@@ -82,6 +82,15 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------------ presets
+TEXT_27B = dict(  # Qwen3.5-27B's published text sizes (Qwen3_5TextConfig keywords)
+    vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, num_attention_heads=24,
+    num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False, pad_token_id=0)
+
+
 def setup_27b(args, dev, dtype, log):
     """Qwen3.5-27B's published text sizes with random weights (speed does not depend on them), at the
     run shape of tok_s's ``real`` preset."""
@@ -89,13 +98,7 @@ def setup_27b(args, dev, dtype, log):
 
     from trainer.config import preset
 
-    text = Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16, num_attention_heads=24,
-        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=48,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
-        rms_norm_eps=1e-6, max_position_embeddings=262144, tie_word_embeddings=False, pad_token_id=0)
+    text = Qwen3_5TextConfig(**TEXT_27B)
     cfg = preset("default", device=str(dev), batch_size=args.batch_size or 1)  # as tok_s.setup_real
     target = tok_s._random_qwen35_target(text, cfg, dev, dtype, elementwise=dev.type == "cuda")  # as load_target
     ds = tok_s._synthetic_dataset(text.vocab_size, 16, cfg.max_len)

@@ -163,16 +163,27 @@ def _random_qwen35_target(text_cfg, cfg, dev, dtype, elementwise: bool = False):
     return Target(model, None, ids)
 
 
+# The presets' targets: Qwen3_5TextConfig keywords (random weights: speed does not depend on them).
+TEXT_CONFIGS = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512,
+                 tie_word_embeddings=True, pad_token_id=0),
+    # Qwen3.5-4B's published text config
+    "real": dict(vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                 num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                 linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=True, pad_token_id=0),
+}
+
+
 def setup_tiny(args, dev, dtype, log):
     from transformers import Qwen3_5TextConfig
 
     from trainer.config import preset
 
     cfg = preset("tiny", device=str(dev), batch_size=args.batch_size or 2)
-    text = Qwen3_5TextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
-                             linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-                             max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0)
+    text = Qwen3_5TextConfig(**TEXT_CONFIGS["tiny"])
     target = _random_qwen35_target(text, cfg, dev, dtype)
     ds = _synthetic_dataset(text.vocab_size, 8, cfg.max_len)
     return Setup("tiny", cfg, target, ds, "random tiny Qwen3.5 (4 layers, hidden 64), max_len 64, 4 anchors")
@@ -186,12 +197,7 @@ def setup_real(args, dev, dtype, log):
     if dev.type != "cuda":
         raise SystemExit("tok_s: the `real` preset needs a CUDA GPU (a 4B-parameter target at 3072 tokens, "
                          "512 anchors); on a CPU run `--preset tiny`.")
-    # Qwen3.5-4B's published text config (random weights: speed does not depend on them).
-    text = Qwen3_5TextConfig(vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-                             num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                             linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=True,
-                             pad_token_id=0)
+    text = Qwen3_5TextConfig(**TEXT_CONFIGS["real"])
     cfg = preset("default", device=str(dev), batch_size=args.batch_size or 1)
     target = _random_qwen35_target(text, cfg, dev, dtype)
     ds = _synthetic_dataset(text.vocab_size, 16, cfg.max_len)
