@@ -451,10 +451,11 @@ def real_bytes(e: Event) -> float:
     return b * layer_scale(e.frames)
 
 
-def shrunken_real_setup(dtype=torch.bfloat16, batch_size=1, seed=0):
+def shrunken_real_setup(dtype=torch.bfloat16, batch_size=1, seed=0, elementwise=False):
     """``(cfg, target, dataset)`` of :data:`AUDIT_DIMS`: a Qwen3.5 hybrid (3 GDN : 1 attention) on the CPU,
     random weights in ``dtype``, the trainer's default preset shrunk to those dimensions. The target's
-    routing through dflash_kernels is ``target.routing`` (``undo()`` restores transformers' functions)."""
+    routing through dflash_kernels is ``target.routing`` (``undo()`` restores transformers' functions);
+    ``elementwise`` routes its norms, SiLU MLPs and RoPE too, as on a GPU."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     from trainer.config import default_target_layer_ids, preset
@@ -479,7 +480,7 @@ def shrunken_real_setup(dtype=torch.bfloat16, batch_size=1, seed=0):
         model = Qwen3_5ForCausalLM(text)
     finally:
         torch.set_default_dtype(prev)
-    routing = integ.use_dflash_kernels(model)
+    routing = integ.use_dflash_kernels(model, elementwise=elementwise)
     target = Target(model, None, default_target_layer_ids(a["L"], a["k"]))
     target.routing = routing
     g = torch.Generator().manual_seed(seed)
@@ -662,7 +663,8 @@ def main(argv=None):
     p.add_argument("--backend", default="interpret", help="dflash_kernels backend of the library's ops: interpret "
                    "(their Triton kernels' wrappers, as on a GPU; about a minute) or reference (plain torch, seconds)")
     p.add_argument("--depth", type=int, default=1, help="innermost frames that tell sources apart (0: all kept)")
-    p.add_argument("--fused", action="store_true", help="the drafter's fused RMSNorm / RoPE / SwiGLU (FUSED_OPS)")
+    p.add_argument("--fused", action="store_true", help="the fused RMSNorm / RoPE / SwiGLU in the drafter (FUSED_OPS) "
+                   "and the target (use_dflash_kernels(..., elementwise=True)), as tok_s group (a) on a GPU")
     p.add_argument("--profile", default="", metavar="PRESET[:GROUP]",
                    help="instead: benchmarks/tok_s.py's PRESET (real, embedded, tiny) and GROUP (a, f; default a) "
                         "under torch.profiler, device time per (kernel, op, source line): the GPU check of the audit")
@@ -680,8 +682,11 @@ def main(argv=None):
     warnings.filterwarnings("ignore", category=RuntimeWarning)
     import trainer.model as model_mod
     model_mod.FUSED_OPS = args.fused
-    setup = shrunken_real_setup()
-    events = audit_step(setup, backend=args.backend, frames=8)
+    setup = shrunken_real_setup(elementwise=args.fused)
+    try:
+        events = audit_step(setup, backend=args.backend, frames=8)
+    finally:
+        setup[1].routing.undo()
     events = [e for e in events if real_bytes(e) >= args.min_mb * 1e6]
     kinds = set(args.kinds.split(",")) if args.kinds else None
     print(report(events, args.top, kinds=kinds, depth=args.depth))

@@ -238,3 +238,25 @@ def test_plus_picks_the_b_plus_variants():
     assert tok_s.parse_plus("") == tok_s.PLUS_VARIANTS
     with pytest.raises(SystemExit, match="--plus: unknown"):
         tok_s.parse_args(["--plus", "cce,flce"])
+
+
+def test_group_gr_is_g_with_the_gdn_layer_route(monkeypatch):
+    cuda = torch.device("cuda")
+    g, gr = tok_s.group_plan("g", cuda), tok_s.group_plan("gr", cuda)
+    assert gr["target_graphs"] and gr["gdn_layers"] and not g["gdn_layers"]
+    assert {k: v for k, v in gr.items() if k not in ("label", "gdn_layers")} == {
+        k: v for k, v in g.items() if k not in ("label", "gdn_layers")}
+    # run_group asks the integration for the route on (gr)'s target and undoes it after the row
+    import dflash_kernels.integrations.transformers as integ
+
+    calls, undone = [], []
+
+    class Routing:
+        def undo(self):
+            undone.append(1)
+
+    monkeypatch.setattr(integ, "use_dflash_kernels", lambda model, **kw: calls.append(kw) or Routing())
+    monkeypatch.setattr(tok_s, "_run_group", lambda *a, **k: {"group": "x"})
+    setup = tok_s.Setup("tiny", None, type("T", (), {"model": None})(), None, "")
+    tok_s.run_group(setup, "gr", 1, 0, cuda, torch.bfloat16)
+    assert calls == [{"elementwise": True, "gdn_layers": True}] and undone == [1]
