@@ -22,15 +22,16 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   target's forward as CUDA graphs (the option is trainer code, which every group would share as a default;
   ``--groups b,bg``); (gr) (g) with ``use_dflash_kernels(..., gdn_layers=True)`` (q and k reach the delta
   rule at their own head count instead of transformers 5.17's copies to the value heads: 1.2 ms of device
-  time per target forward; its host cost, which kept it opt-in, is replayed away by the graphs);
+  time per target forward; its host cost, which kept it opt-in, should not count under the graphs);
 - (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
   (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
   (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
   position weights applied outside, ``benchmarks/peers.py``), and Liger's RMSNorm / RoPE / SwiGLU in
   the drafter and its RMSNorm / SwiGLU MLP in the target (``b+liger-ew``); then the pieces that made
   (b) faster together (the fastest loss, Liger's elementwise ops if they helped), run as one more row
-  unless it is one already measured (``--plus`` picks the variants run alone; default all). The fastest of all these rows, (b) included, is (b+) and carries
-  ``b_plus_best`` (the combination is not always faster than its parts); the table's notes name it.
+  unless it is one already measured (``--plus`` picks the variants run alone; default all). The fastest
+  of all these rows, (b) included, is (b+) and carries ``b_plus_best`` (the combination is not always
+  faster than its parts); the table's notes name it.
 
 On a GPU every group, and every (b+) variant, runs in a Python process of its own (``--isolate``, on by
 default there): the script runs itself with ``--child-group`` per row and collects the rows. The target is
@@ -92,7 +93,8 @@ def parse_args(argv=None):
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
                    "norm/RoPE/SwiGLU chains), g ((a) with the target's forward as CUDA graphs), gr ((g) with the GDN "
-                   "layer route), bg ((b) with the graphs), m ((a) with bf16 weight copies); only a, b, c are in the default")
+                   "layer route), bg ((b) with the graphs), m ((a) with bf16 weight copies); only a, b, c are in the "
+                   "default")
     p.add_argument("--plus", default="", help="the (b+) variants to run alone, comma-separated (default all: "
                    "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
@@ -585,14 +587,17 @@ def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
                    "--child-group", g, "--no-record", "--json", out]
             for flag in CHILD_FLAGS:
                 value = getattr(args, flag)
-                if value not in (None, "", 0):
+                if value not in (None, ""):  # --warmup 0 is a value
                     value = os.path.abspath(value) if flag == "trace" else value  # the child runs in ROOT
                     cmd += [f"--{flag.replace('_', '-')}", str(value)]
             if args.no_build:
                 cmd.append("--no-build")
             sys.stdout.flush()
             rc = subprocess.run(cmd, cwd=ROOT).returncode
-            rows = json.load(open(out))["rows"] if os.path.exists(out) else None
+            rows = None
+            if os.path.exists(out):
+                with open(out) as f:
+                    rows = json.load(f)["rows"]
         if rc == 0 and rows is not None and len(rows) == 1:
             return rows[0]
         if rc == 0 and rows == []:  # the preset skipped itself (embedded, not built, --no-build)

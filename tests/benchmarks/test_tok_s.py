@@ -192,12 +192,17 @@ def test_isolated_groups_run_in_processes_of_their_own(tmp_path):
 def test_a_child_that_dies_is_an_error_row(monkeypatch):
     import types
 
-    monkeypatch.setattr(tok_s.subprocess, "run", lambda *a, **k: types.SimpleNamespace(returncode=-9))
-    args = tok_s.parse_args(["--groups", "a,b", "--device", "cpu"])
+    cmds = []
+    monkeypatch.setattr(tok_s.subprocess, "run",
+                        lambda cmd, **k: cmds.append(cmd) or types.SimpleNamespace(returncode=-9))
+    args = tok_s.parse_args(["--groups", "a,b", "--device", "cpu", "--warmup", "0", "--trace", "tr"])
     logged = []
     rows = tok_s.run_preset_isolated("tiny", args, torch.device("cpu"), logged.append)
     assert [r["group"] for r in rows] == ["(a) dflash_kernels", "(b) peers"]
     assert all("exited with status -9" in r["error"] for r in rows), rows
+    assert [c[c.index("--child-group") + 1] for c in cmds] == ["a", "b"]
+    assert cmds[0][cmds[0].index("--warmup") + 1] == "0"  # a zero is a value, passed on
+    assert cmds[0][cmds[0].index("--trace") + 1] == os.path.abspath("tr")  # the children run in ROOT
 
 
 def test_run_groups_forms_b_plus_from_the_pieces_that_helped():
