@@ -23,7 +23,9 @@ class FlexDrafterAttention:
     ``trainer.model.Attention.forward`` followed by flex instead of ``block_sparse_attention``.
     The masks are rebuilt every step, as a trainer must (anchors are resampled every step); the
     mask functions read the anchors from fixed buffers, so ``torch.compile`` sees the same
-    ``mask_mod`` every step and does not recompile. ``mask_s`` accumulates the build time.
+    ``mask_mod`` every step and does not recompile. ``mask_s`` accumulates the build's host time (its
+    kernels run asynchronously; up to 2026-12-02 06:43 a synchronization after the build made this the
+    wait for all earlier GPU work plus the build, and put a host synchronization into (b)'s step).
     """
 
     def __init__(self, drafter, compiled: bool = True):
@@ -72,9 +74,7 @@ class FlexDrafterAttention:
             if key not in self.mask_mods:
                 self.mask_mods[key] = self._mask_mod(context_len, window)
             out[t] = create_block_mask(self.mask_mods[key], B, None, Tq, context_len + Tq, device=anchors.device)
-        if anchors.device.type == "cuda":
-            torch.cuda.synchronize(anchors.device)
-        self.mask_s += time.perf_counter() - t0
+        self.mask_s += time.perf_counter() - t0  # host time: no synchronization added to the peer's step
         return out
 
     def _attend_fn(self):
