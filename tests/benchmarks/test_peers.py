@@ -155,13 +155,12 @@ def test_liger_piece_matches_the_drafters_eager_chain(piece):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="H200, 2026-12-01: outputs matched (drafter and target) but one drafter "
-                   "parameter gradient was off by 0.39 (relative; the fused ops of the library pass 0.08 in "
-                   "tests/trainer/test_model_fused.py); not yet narrowed to a piece (see the test above) or "
-                   "to this wrapper")
 def test_liger_elementwise_drafter_and_target_then_undone():
     """Liger's norm / RoPE / SwiGLU give the eager drafter's and target's outputs and gradients; the undo
-    brings back the eager modules exactly."""
+    brings back the eager modules exactly. The gradients are of a fixed random projection of the output:
+    with ``out.square().sum()``, nearly constant after the final RMSNorm, they were mostly cancellation, and
+    a 0.4% perturbation of the queries moved them as much (0.5 relative) as Liger's RoPE did (found on the
+    CPU, 2026-12-02; with the projection Liger's RoPE gives 1.4e-2, within bf16 rounding)."""
     _gpu_peer("liger_kernel")
     from tests.helpers import rel_err
     from trainer.model import DFlashDrafter, DrafterConfig
@@ -185,7 +184,8 @@ def test_liger_elementwise_drafter_and_target_then_undone():
     def run():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = drafter(emb, feats, anchors, valid)
-            grads = torch.autograd.grad(out.float().square().sum(), list(drafter.parameters()))
+            proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).cuda()
+            grads = torch.autograd.grad((out.float() * proj).sum(), list(drafter.parameters()))
             with torch.no_grad():
                 t = target(ids).logits
         return out.float(), grads, t.float()
@@ -196,7 +196,7 @@ def test_liger_elementwise_drafter_and_target_then_undone():
     assert rel_err(got[0], ref[0]) < 2e-2 and rel_err(got[2], ref[2]) < 2e-2
     errs = {n: rel_err(a.float(), b.float()) for (n, _), a, b in zip(drafter.named_parameters(), got[1], ref[1])}
     print("liger vs eager, parameter gradients (relative):", {n: f"{e:.3g}" for n, e in errs.items()})
-    assert max(errs.values()) < 8e-2, max(errs, key=errs.get)  # the library's fused ops' tolerance
+    assert max(errs.values()) < 5e-2, max(errs, key=errs.get)  # the library's fused ops' bf16 tolerance
     undo.undo()
     again = run()
     assert torch.equal(again[0], ref[0]) and torch.equal(again[2], ref[2])

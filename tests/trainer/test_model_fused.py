@@ -1,8 +1,7 @@
 """The drafter with the fused RMSNorm / RoPE / SwiGLU ops against its plain torch chains
-(``trainer.model.FUSED_OPS`` off): same output and parameter gradients on a tiny config in fp32; on a
-GPU also under bf16 autocast (the fused ops round once where torch rounds after each op)."""
+(``trainer.model.FUSED_OPS`` off): same output and parameter gradients on a tiny config in fp32, and
+under bf16 autocast (the fused ops round once where torch rounds after each op)."""
 
-import pytest
 import torch
 
 import trainer.model as model_mod
@@ -36,7 +35,11 @@ def _run(drafter, emb, feats, anchors, fused, monkeypatch, autocast=False):
     e = emb.clone().requires_grad_()
     with torch.autocast(emb.device.type, dtype=torch.bfloat16, enabled=autocast):
         out = drafter(e, feats, anchors)
-    out.float().square().mean().backward()
+    # a fixed random projection of the output: well conditioned. ``out.square().mean()`` after the final
+    # RMSNorm is nearly constant in the states before it, and its gradients were mostly cancellation (a
+    # 0.4% perturbation of one layer's queries moved them by ~50%).
+    proj = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device)
+    (out.float() * proj).sum().backward()
     return out.detach().float(), e.grad.clone(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
 
@@ -62,12 +65,13 @@ def test_fused_ops_match_plain_torch_fp32(monkeypatch):
         assert rel_err(grads[n], g) < 10 * tol, n
 
 
-@pytest.mark.gpu
 def test_fused_ops_match_plain_torch_bf16_autocast(monkeypatch):
-    drafter, emb, feats, anchors = _drafter_and_inputs(torch.device("cuda"))
+    """Under bf16 autocast (CUDA's, or the CPU's with the kernels in the interpreter). On the CPU, 2026-12-02:
+    output 4.2e-3, input gradient 4.6e-3, parameter gradients 1.5e-2 median and 2.1e-2 worst."""
+    drafter, emb, feats, anchors = _drafter_and_inputs(device())
     ref, ref_de, ref_g = _run(drafter, emb, feats, anchors, False, monkeypatch, autocast=True)
     out, de, grads = _run(drafter, emb, feats, anchors, True, monkeypatch, autocast=True)
-    assert rel_err(out, ref) < 2e-2 and rel_err(de, ref_de) < 5e-2
+    assert rel_err(out, ref) < 2e-2 and rel_err(de, ref_de) < 2e-2
     for n, g in ref_g.items():
         assert grads[n].dtype == torch.float32
-        assert rel_err(grads[n], g) < 8e-2, n
+        assert rel_err(grads[n], g) < 5e-2, n
