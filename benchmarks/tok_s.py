@@ -107,6 +107,10 @@ def parse_args(argv=None):
                    help="after the timed steps, run STEPS more under torch.profiler and print where each group's "
                         "device time goes (per kernel and per category); not part of the timing")
     p.add_argument("--profile-top", type=int, default=15, metavar="N", help="kernels listed per profiled group")
+    p.add_argument("--profile-sources", type=float, default=0.0, metavar="MS",
+                   help="with --profile: also trace the copies/casts and torch elementwise kernels of at least MS "
+                        "device ms per step to their ATen op, input shapes and Python caller (record_shapes and "
+                        "with_stack: more host time while profiling, not in the timing)")
     p.add_argument("--trace", default="", metavar="DIR",
                    help="also write each profiled group's torch.profiler trace (Chrome JSON) into DIR")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
@@ -349,7 +353,51 @@ def kernel_ms(events, n: int) -> dict:
     return kernels
 
 
-PROFILE = {"top": 15, "trace": ""}  # --profile-top, --trace
+PROFILE = {"top": 15, "trace": "", "sources": 0.0}  # --profile-top, --trace, --profile-sources
+
+SOURCE_CATEGORIES = ("copies/casts", "norm/rope/activation")  # torch's own kernels are traced to their callers
+
+
+_PY_FRAME = re.compile(r"\.py\(\d+\): ")
+_TORCH_FRAME = re.compile(r"(^|site-packages/|dist-packages/)torch/")  # not /opt/torch/.venv/...'s other packages
+
+
+def _caller(launch, keep: int = 3):
+    """``(outer op, its input shapes, caller)`` of a kernel's host launch record: walking up the profiler's
+    parents, the outermost ATen op of the first run of ATen ops (``aten::contiguous`` rather than the
+    ``aten::copy_`` inside it), then the first ``keep`` Python frames outside torch (``with_stack`` records
+    them as events above the op), or the autograd node for a backward kernel."""
+    op, frames, node, in_ops = None, [], launch.cpu_parent, True
+    while node is not None and len(frames) < keep:
+        name = node.name
+        if name.startswith("aten::"):
+            if in_ops:
+                op = node
+        else:
+            in_ops = in_ops and op is None
+            if name.startswith("autograd::engine::evaluate_function: "):
+                frames.append(name.split(": ", 1)[1])
+            elif _PY_FRAME.search(name) and not _TORCH_FRAME.search(name):
+                frames.append(name.rsplit("/", 1)[-1])
+        node = node.cpu_parent
+    shapes = str(getattr(op, "input_shapes", "") or "")[:120] if op is not None else ""
+    return (op.name if op is not None else launch.name), shapes, " < ".join(frames)
+
+
+def kernel_sources(events, n: int, min_ms: float, categories=SOURCE_CATEGORIES) -> list:
+    """Where the kernels of ``categories`` (copies, casts, torch's elementwise kernels) come from, from a
+    profile taken with ``record_shapes`` and ``with_stack``: each kernel's launch record is traced to its
+    ATen op, input shapes and caller (:func:`_caller`). Returns ``[(device ms per step, category, kernel,
+    op, shapes, caller)]`` of the groups of at least ``min_ms`` per step, largest first."""
+    groups = {}
+    for e in events:
+        for k in getattr(e, "kernels", None) or ():
+            cat = category(k.name)
+            if cat in categories:
+                key = (cat, k.name[:90], *_caller(e))
+                groups[key] = groups.get(key, 0.0) + k.duration / 1e3 / n
+    rows = [(ms, *key) for key, ms in groups.items() if ms >= min_ms]
+    return sorted(rows, key=lambda r: -r[0])
 
 
 def profile_steps(step, n: int, dev, label: str, log) -> dict:
@@ -360,7 +408,9 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
     if dev.type != "cuda":
         log(f"    profile {label}: skipped (the device-time breakdown needs a GPU)")
         return {}
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sources = PROFILE["sources"] > 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=sources,
+                 with_stack=sources) as prof:
         for _ in range(n):
             step()
         _sync(dev)
@@ -373,6 +423,10 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
         ", ".join(f"{c} {ms:.1f}" for c, ms in sorted(cats.items(), key=lambda x: -x[1])))
     for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:PROFILE["top"]]:
         log(f"      {ms:8.2f} ms  {category(name):20s} {name[:110]}")
+    if sources:
+        log(f"      where {' and '.join(SOURCE_CATEGORIES)} come from (>= {PROFILE['sources']} ms per step):")
+        for ms, cat, kname, op, shapes, frames in kernel_sources(prof.events(), n, PROFILE["sources"]):
+            log(f"      {ms:8.2f} ms  {cat:20s} {op} {shapes} <- {frames or '?'} [{kname[:60]}]")
     if PROFILE["trace"]:
         os.makedirs(PROFILE["trace"], exist_ok=True)
         path = os.path.join(PROFILE["trace"], re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".json")
@@ -570,7 +624,8 @@ def run_preset(name, args, dev, dtype, log) -> list:
     return run_groups(parse_groups(args.groups), one, log, plus_variants=parse_plus(args.plus))
 
 
-CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "trace")
+CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "profile_sources",
+               "trace")
 
 
 def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
@@ -722,7 +777,7 @@ def env_info() -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    PROFILE.update(top=args.profile_top, trace=args.trace)
+    PROFILE.update(top=args.profile_top, trace=args.trace, sources=args.profile_sources)
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         # (a) on a CPU is the library's Triton kernels through the interpreter; the switch must be

@@ -151,6 +151,56 @@ def test_kernel_times_leave_out_record_function_ranges():
                                           "nvjet_sm90_tst_192x192": 2.0}
 
 
+def test_kernel_sources_name_the_outermost_aten_op_and_the_caller():
+    """--profile-sources: a copy kernel is attributed to the outermost ATen op above its launch (here
+    ``aten::contiguous``, not the ``aten::copy_`` inside it) with that op's shapes, and to the first Python
+    frames above it outside torch (``with_stack`` records them as parent events, as torch 2.13's profiler
+    does on the CPU); a backward kernel to its autograd node. Kernels of other categories and groups under
+    the threshold are left out."""
+    from types import SimpleNamespace as E
+
+    def node(name, parent=None, kernels=(), shapes=()):
+        return E(name=name, cpu_parent=parent, kernels=list(kernels), input_shapes=list(shapes))
+
+    k = lambda name, us: E(name=name, duration=us)
+    py = node("trainer/target.py(160): _features", node("benchmarks/tok_s.py(500): train_step"))
+    py = node("/opt/torch/.venv/lib/python3.12/site-packages/transformers/models/qwen3_5/modeling_qwen3_5.py(610): "
+              "forward", node("/opt/torch/.venv/lib/python3.12/site-packages/torch/nn/modules/module.py(1789): "
+                              "_call_impl", py))
+    method = node("<built-in method contiguous of Tensor object at 0x7f>", py)
+    contig = node("aten::contiguous", method, shapes=[[1, 3072, 32, 128], []])
+    clone = node("aten::clone", contig, shapes=[[1, 3072, 32, 128], []])
+    copy = node("aten::copy_", clone, shapes=[[1, 3072, 32, 128], [1, 3072, 32, 128], []])
+    launch = node("cudaLaunchKernel", copy, kernels=[k("void at::native::elementwise_kernel<direct_copy_kernel>", 3000)])
+    bwd = node("aten::add", node("autograd::engine::evaluate_function: AddBackward0"), shapes=[[8], [8]])
+    bwd_launch = node("cudaLaunchKernel", bwd, kernels=[k("vectorized_elementwise_kernel<CUDAFunctor_add>", 100)])
+    gemm = node("cudaLaunchKernel", node("aten::mm", py), kernels=[k("nvjet_sm90_tst_192x192", 9000)])
+    events = [launch, bwd_launch, gemm]
+    rows = tok_s.kernel_sources(events, 2, 0.5)
+    assert len(rows) == 1, rows  # the add (0.05 ms per step) is under the threshold; the GEMM is not traced
+    ms, cat, kname, op, shapes, caller = rows[0]
+    assert (ms, cat, op) == (1.5, "copies/casts", "aten::contiguous") and "3072" in shapes
+    assert caller == "modeling_qwen3_5.py(610): forward < target.py(160): _features < tok_s.py(500): train_step"
+    assert [(r[3], r[5]) for r in tok_s.kernel_sources(events, 2, 0.01)][1] == ("aten::add", "AddBackward0")
+
+
+def test_kernel_sources_on_a_real_cpu_profile():
+    """The parent chain of a real profile (CPU, no kernels launched): the op and caller of an event."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 32).t()
+
+    def make_contiguous():
+        return x.contiguous()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+        make_contiguous()
+    copy = next(e for e in prof.events() if e.name == "aten::copy_")
+    launch = type("Launch", (), {"name": "cudaLaunchKernel", "cpu_parent": copy})()
+    op, shapes, caller = tok_s._caller(launch)
+    assert op == "aten::contiguous" and shapes.startswith("[[32, 64]")
+    assert caller.split(" < ")[0].endswith(": make_contiguous"), caller
+
+
 def test_table_shows_the_gpu_idle_time_of_profiled_rows():
     rows = [{"preset": "real", "group": "(a) dflash_kernels", "tok_s": 18000.0, "ms_step": 168.6,
              "device_idle_ms": 22.7},
