@@ -116,12 +116,12 @@ PLUS_LOSSES = ("liger", "cce")  # the fused LM-head losses a user could put in (
 
 def peer_head_loss(name: str):
     """``dflash_head_loss``'s signature through a peer's fused linear cross-entropy (``name`` in
-    :data:`PLUS_LOSSES`): every draft row goes in with the uncounted ones at ``ignore_index``,
+    :data:`PLUS_LOSSES`): every row it is given goes in, the uncounted ones at ``ignore_index``,
     ``reduction="none"`` gives each row's CE, and the weighted mean ``sum(w * ce) / sum(w)`` is taken
     outside (neither peer takes per-row weights; Liger's backward then recomputes its logits chunks
     to fold the per-row upstream gradient in). Liger returns its argmax for the accuracy; CCE has none,
     so its stats carry ``acc`` NaN (the benchmark reads only the loss)."""
-    from trainer.loss import IGNORE_INDEX, _stats, position_weights
+    from trainer.loss import IGNORE_INDEX, _stats, _weights
 
     if name == "liger":
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -130,10 +130,10 @@ def peer_head_loss(name: str):
     else:
         raise ValueError(f"name: unknown peer loss {name!r}; choose one of {list(PLUS_LOSSES)}")
 
-    def head_loss(hidden, weight, labels, counted, gamma, bias=None, chunk_rows=None, fused=False):
+    def head_loss(hidden, weight, labels, counted, gamma, bias=None, chunk_rows=None, fused=False, first=0):
         B, N, bs = labels.shape
         lab = torch.where(counted, labels, IGNORE_INDEX).reshape(-1)
-        w = (position_weights(bs, gamma).to(hidden.device)[None, None, :] * counted).reshape(-1)
+        w = (_weights(labels, gamma, first, hidden.device)[None, None, :] * counted).reshape(-1)
         h = hidden.reshape(B * N * bs, -1).to(weight.dtype)
         if name == "liger":
             out = liger_fused_linear_cross_entropy(h, weight, lab, bias=bias, ignore_index=IGNORE_INDEX,
@@ -145,10 +145,10 @@ def peer_head_loss(name: str):
             ce, pred = linear_cross_entropy(h, weight, lab, ignore_index=IGNORE_INDEX, reduction="none"), None
         loss = (ce.float() * w).sum() / w.sum().clamp_min(1e-12)
         if pred is None:
-            return loss, {"acc": float("nan"), "acc_by_pos": torch.full((bs,), float("nan")), "tokens": -1}
+            return loss, {"acc": float("nan"), "acc_by_pos": torch.full((bs + first,), float("nan")), "tokens": -1}
         with torch.no_grad():
             hit = (pred.view(B, N, bs) == labels) & counted
-        return loss, _stats(hit, counted)
+        return loss, _stats(hit, counted, first)
     return head_loss
 
 

@@ -16,8 +16,10 @@ implementations fairly. A multiply-add is 2 FLOPs. With B sequences of S tokens,
   batch's anchors (context keys ``kv < anchor`` within the layer's window, plus the block's own keys).
 - drafter backward: twice the forward (input and weight gradients), except ``fc``, whose input (the
   frozen target's features) needs no gradient: once.
-- LM head (frozen, the target's): forward ``2 * Nd * H * V``; backward the input gradient only, the
-  same again.
+- LM head (frozen, the target's): on the predicted positions only, ``Np = (bs - 1)`` per valid block
+  (position 0 holds the anchor's own token; up to 2026-12-02 06:43 the count took all ``Nd`` rows, 1/bs
+  more head FLOPs, about 1.8% of a ``real`` step): forward ``2 * Np * H * V``; backward the input
+  gradient only, the same again.
 
 ``mfu = flops / seconds / peak`` with the H200's dense bf16 peak of 989 TFLOP/s.
 """
@@ -84,7 +86,7 @@ def step_flops(target_model, drafter, batch: dict) -> dict:
         attn += 4.0 * Hq * D * _visible_pairs(anchors, valid, bs, window)
     layers_fwd = dc.num_layers * (per_layer_rows + per_layer_kv) + attn
     fc_fwd = 2.0 * B * S * drafter.fc.weight.numel()
-    head_fwd = 2.0 * Nd * H * V
+    head_fwd = 2.0 * float(valid.sum()) * (bs - 1) * H * V
     parts = {
         "target_fwd": tgt,
         "drafter_fwd": layers_fwd + fc_fwd,

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-__all__ = ["StepStats", "position_weights", "block_inputs", "block_labels", "dflash_loss", "dflash_head_loss",
-           "dflash_fused_head_loss"]
+__all__ = ["StepStats", "position_weights", "block_inputs", "block_labels", "predicted_positions", "dflash_loss",
+           "dflash_head_loss", "dflash_fused_head_loss"]
 
 
 IGNORE_INDEX = -100  # label of the rows the fused loss skips (positions not counted)
@@ -51,26 +51,47 @@ def block_labels(input_ids, loss_mask, lengths, anchors, valid, block_size: int)
     return labels, counted
 
 
-def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, gamma: float):
+def predicted_positions(hidden: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor):
+    """Block positions 1..bs-1 only: position 0 holds the anchor's own token and is never predicted
+    (:func:`block_labels` never counts it), so the LM head need not see its rows. ``hidden [B, N * bs,
+    H]`` (a copy of the kept rows), ``labels`` / ``counted [B, N, bs]`` -> ``[B, N * (bs - 1), H]``,
+    ``[B, N, bs - 1]``, ``[B, N, bs - 1]``; pass ``first=1`` to the losses with them. Trainer code, the
+    same for every loss path: 1/bs of the head's GEMMs (forward and input gradient) left out."""
+    B, N, bs = labels.shape
+    if hidden.shape[:2] != (B, N * bs):
+        raise ValueError(f"hidden: expected [B, N * bs, H] = [{B}, {N * bs}, H], got {tuple(hidden.shape)}")
+    h = hidden.reshape(B, N, bs, hidden.shape[-1])[:, :, 1:].reshape(B, N * (bs - 1), hidden.shape[-1])
+    return h, labels[:, :, 1:], counted[:, :, 1:]
+
+
+def _weights(labels: torch.Tensor, gamma: float, first: int, device) -> torch.Tensor:
+    """``[p]`` position weights of block positions ``first .. first + p - 1`` (``p = labels.shape[-1]``)."""
+    p = labels.shape[-1]
+    return position_weights(p + first, gamma)[first:].to(device)
+
+
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, gamma: float, first: int = 0):
     """Weighted cross-entropy and accuracy.
 
     Args:
         logits: ``[B, N * bs, V]`` (any float dtype; the CE is taken in fp32).
         labels: int ``[B, N, bs]``; counted: bool ``[B, N, bs]`` from :func:`block_labels`.
         gamma: position-weight decay.
+        first: the block position of the first of ``bs`` positions given (1 after
+            :func:`predicted_positions`; the stats still cover every position).
     Returns:
         ``(loss, stats)``: loss = sum(w * ce) / sum(w) over counted positions (0 with none), and
-        ``stats`` with ``acc`` (unweighted top-1 accuracy), ``acc_by_pos`` ``[bs]`` and ``tokens``.
+        ``stats`` with ``acc`` (unweighted top-1 accuracy), ``acc_by_pos`` ``[bs + first]`` and ``tokens``.
     """
     B, N, bs = labels.shape
-    w = position_weights(bs, gamma).to(logits.device)[None, None, :] * counted
+    w = _weights(labels, gamma, first, logits.device)[None, None, :] * counted
     ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     ce = ce.view(B, N, bs)
     wsum = w.sum()
     loss = (ce * w).sum() / wsum.clamp_min(1e-12)
     with torch.no_grad():
         hit = (logits.detach().argmax(-1).view(B, N, bs) == labels) & counted
-    return loss, _stats(hit, counted)
+    return loss, _stats(hit, counted, first)
 
 
 class StepStats(Mapping):
@@ -103,8 +124,12 @@ class StepStats(Mapping):
         return 3
 
 
-def _stats(hit: torch.Tensor, counted: torch.Tensor) -> StepStats:
-    """Top-1 accuracy over the counted positions, per block position, and their count (read lazily)."""
+def _stats(hit: torch.Tensor, counted: torch.Tensor, first: int = 0) -> StepStats:
+    """Top-1 accuracy over the counted positions, per block position, and their count (read lazily).
+    ``first`` uncounted positions are put back in front (``acc_by_pos`` covers the whole block)."""
+    if first:
+        pad = counted.new_zeros(*counted.shape[:-1], first)
+        hit, counted = torch.cat([pad, hit], -1), torch.cat([pad, counted], -1)
     return StepStats(hit, counted)
 
 
@@ -149,7 +174,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
 
 
 def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor,
-                     gamma: float, bias=None, chunk_rows: int = 2048, fused: bool = False):
+                     gamma: float, bias=None, chunk_rows: int = 2048, fused: bool = False, first: int = 0):
     """:func:`dflash_loss` of ``logits = hidden @ weight^T + bias`` without materializing the logits.
 
     Args:
@@ -158,6 +183,7 @@ def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
         chunk_rows: rows per chunk (each chunk holds ``chunk_rows x V`` logits in fp32 and W's dtype).
         fused: use ``dflash_kernels``' fused LM head + cross-entropy (:func:`dflash_fused_head_loss`)
             instead of the row chunks here; ``chunk_rows`` is then unused.
+        first: as :func:`dflash_loss`'s.
     Returns:
         ``(loss, stats)`` as :func:`dflash_loss`.
     """
@@ -167,8 +193,8 @@ def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     if hidden.shape[:2] != (B, N * bs):
         raise ValueError(f"hidden: expected [B, N * bs, H] = [{B}, {N * bs}, H], got {tuple(hidden.shape)}")
     if fused:
-        return dflash_fused_head_loss(hidden, weight, labels, counted, gamma, bias=bias)
-    wpos = position_weights(bs, gamma).to(hidden.device)[None, None, :] * counted
+        return dflash_fused_head_loss(hidden, weight, labels, counted, gamma, bias=bias, first=first)
+    wpos = _weights(labels, gamma, first, hidden.device)[None, None, :] * counted
     rows = counted.reshape(-1).nonzero().squeeze(1)
     wsum = wpos.sum()
     w = (wpos.reshape(-1)[rows] / wsum.clamp_min(1e-12)).float()
@@ -177,15 +203,15 @@ def dflash_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     with torch.no_grad():
         hit = torch.zeros(B * N * bs, dtype=torch.bool, device=hidden.device)
         hit[rows] = pred == labels.reshape(-1)[rows]
-    return loss, _stats(hit.view(B, N, bs), counted)
+    return loss, _stats(hit.view(B, N, bs), counted, first)
 
 
 def dflash_fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor,
-                           gamma: float, bias=None):
+                           gamma: float, bias=None, first: int = 0):
     """:func:`dflash_head_loss` through ``dflash_kernels``' ``linear_cross_entropy`` (fused LM head + CE).
 
-    The counted rows only (as the chunked path), hidden cast to the head's dtype (what ``lm_head``
-    does), per-row weights ``exp(-(j - 1) / gamma)`` and ``reduction="mean"``: the op's
+    Every row given (:func:`predicted_positions` leaves out the never-counted position 0 before), hidden
+    cast to the head's dtype (what ``lm_head`` does), per-row weights ``exp(-(j - 1) / gamma)`` and ``reduction="mean"``: the op's
     ``sum(w * ce) / sum(w)`` over those rows is exactly :func:`dflash_loss`'s normalization (0 with no
     counted row). The accuracy comes from the op's argmax: no logits anywhere. A frozen head (the
     trainer's) costs no weight-gradient GEMM.
@@ -193,10 +219,10 @@ def dflash_fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     import dflash_kernels as dk
 
     B, N, bs = labels.shape
-    # Every draft row goes in; rows not counted are ignored through ignore_index rather than gathered
-    # out, so the step has no host synchronization (a gather by nonzero() would need the count).
+    # Every row goes in; rows not counted are ignored through ignore_index rather than gathered out, so
+    # the step has no host synchronization (a gather by nonzero() would need the count).
     lab = torch.where(counted, labels, IGNORE_INDEX).reshape(-1)
-    w = position_weights(bs, gamma).to(hidden.device).expand(B, N, bs).reshape(-1)
+    w = _weights(labels, gamma, first, hidden.device).expand(B, N, bs).reshape(-1)
     h = hidden.reshape(B * N * bs, -1)
     if h.dtype != weight.dtype:
         h = h.to(weight.dtype)
@@ -204,7 +230,7 @@ def dflash_fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                                          reduction="mean", return_argmax=True)
     with torch.no_grad():
         hit = (pred.view(B, N, bs) == labels) & counted
-    return loss, _stats(hit, counted)
+    return loss, _stats(hit, counted, first)
 
 
 def expected_accept_length(acc_by_pos: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ every document through the target alone and limit each draft block's context to 
 import torch
 
 from trainer.config import TrainConfig
-from trainer.loss import block_inputs, block_labels, dflash_head_loss, dflash_loss
+from trainer.loss import block_inputs, block_labels, dflash_head_loss, dflash_loss, predicted_positions
 from trainer.target import Target
 
 __all__ = ["forward_loss", "target_features", "drafter_loss", "attention_precompile_specs", "clip_and_step"]
@@ -57,13 +57,16 @@ def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainCon
         cw = getattr(drafter, "compute_weights", None)  # trainer.compute_weights: bf16 leaves, no casts
         hidden = drafter(emb, feats, anchors, valid, masks=masks) if cw is None else cw(
             drafter, emb, feats, anchors, valid, masks=masks)
+        # every loss path: the LM head sees block positions 1..bs-1 only (position 0 is never predicted)
+        hidden, labels, counted = predicted_positions(hidden, labels, counted)
         logits = heads.lm_head(hidden) if cfg.loss == "logits" else None
     if logits is not None:
-        return dflash_loss(logits, labels, counted, cfg.gamma)
+        return dflash_loss(logits, labels, counted, cfg.gamma, first=1)
     weight, bias = heads.lm_head_params()
     # "fused": the library's fused LM head + cross-entropy; "chunked": plain torch in row chunks. Neither
     # holds the whole [rows, vocab] logits (nor their fp32 copy and gradient).
-    return dflash_head_loss(hidden, weight, labels, counted, cfg.gamma, bias=bias, fused=cfg.loss == "fused")
+    return dflash_head_loss(hidden, weight, labels, counted, cfg.gamma, bias=bias, fused=cfg.loss == "fused",
+                            first=1)
 
 
 def forward_loss(batch: dict, target: Target, drafter, cfg: TrainConfig, dev, dtype):

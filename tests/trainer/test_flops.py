@@ -58,7 +58,11 @@ def test_drafter_linear_flops_match_torch_flop_counter():
     assert parts["drafter_fwd"] - attn == pytest.approx(counted, rel=1e-9)
     fc = 2.0 * B * S * drafter.fc.weight.numel()
     assert parts["drafter_bwd"] == pytest.approx(2 * (parts["drafter_fwd"] - fc) + fc)
-    assert parts["lm_head_fwd"] == parts["lm_head_bwd"] == 2.0 * B * N * bs * H * drafter.config.vocab_size
+    assert parts["lm_head_fwd"] == parts["lm_head_bwd"] == 2.0 * B * N * (bs - 1) * H * drafter.config.vocab_size
+    batch["valid"] = valid.clone()
+    batch["valid"][0, 1] = False  # an invalid block predicts nothing
+    less = step_flops(_Target(), drafter, batch)["lm_head_fwd"]
+    assert less == 2.0 * (B * N - 1) * (bs - 1) * H * drafter.config.vocab_size
     assert parts["total"] == pytest.approx(sum(v for k, v in parts.items() if k != "total"))
 
 

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import rel_err
-from trainer.loss import dflash_fused_head_loss, dflash_head_loss, dflash_loss, position_weights
+from trainer.loss import (dflash_fused_head_loss, dflash_head_loss, dflash_loss, position_weights,
+                          predicted_positions)
 
 
 def test_position_weights():
@@ -159,3 +160,39 @@ def test_fused_head_loss_bf16_head_and_no_counted_rows():
     loss, st = dflash_fused_head_loss(h0, weight, labels, none, 7.0)
     loss.backward()
     assert loss.item() == 0 and st["tokens"] == 0 and not h0.grad.any()
+
+
+@pytest.mark.parametrize("path", ["logits", "chunked", "fused"])
+def test_predicted_positions_give_the_whole_blocks_loss_and_stats(path):
+    """The LM head on block positions 1..bs-1 only (``predicted_positions``, ``first=1``) gives the loss,
+    hidden gradient (0 on the left-out position 0) and stats of the whole blocks, on every loss path."""
+    torch.manual_seed(4)
+    B, N, bs, H, V = 2, 3, 5, 16, 40
+    hidden = torch.randn(B, N * bs, H)
+    weight = torch.randn(V, H) / 4
+    labels = torch.randint(0, V, (B, N, bs))
+    counted = torch.rand(B, N, bs) > 0.3
+    counted[..., 0] = False
+    labels[0, 0, 1:] = F.linear(hidden[0, 1:bs], weight).argmax(-1)  # some hits
+
+    def run(h, lab, cnt, first):
+        if path == "logits":
+            return dflash_loss(F.linear(h, weight), lab, cnt, 7.0, first=first)
+        return dflash_head_loss(h, weight, lab, cnt, 7.0, chunk_rows=4, fused=path == "fused", first=first)
+
+    h_ref = hidden.clone().requires_grad_()
+    ref, st_ref = run(h_ref, labels, counted, 0)
+    ref.backward()
+    h = hidden.clone().requires_grad_()
+    got, st = run(*predicted_positions(h, labels, counted), 1)
+    got.backward()
+    assert rel_err(got, ref) < 1e-5 and rel_err(h.grad, h_ref.grad) < 1e-5
+    assert not h.grad.view(B, N, bs, H)[:, :, 0].any()
+    assert st["acc"] == st_ref["acc"] > 0 and st["tokens"] == st_ref["tokens"]
+    assert torch.equal(st["acc_by_pos"], st_ref["acc_by_pos"]) and st["acc_by_pos"].shape == (bs,)
+
+
+def test_predicted_positions_checks_the_hidden_shape():
+    labels = torch.zeros(1, 2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="hidden"):
+        predicted_positions(torch.randn(1, 7, 8), labels, labels.bool())
