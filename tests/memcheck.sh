@@ -40,6 +40,9 @@ for fam in "${!FAMILIES[@]}"; do
     -p no:cacheprovider 2>/dev/null | grep "::" | awk -v f="$fam" '{print f, NR, $0}' >> "$OUT/candidates.txt"
 done
 echo "$(wc -l < "$OUT/candidates.txt") candidates in ${#FAMILIES[@]} families, $JOBS processes at a time"
+for fam in "${!FAMILIES[@]}"; do  # a pattern that selects nothing is a mistake, not a clean family
+  grep -q "^$fam " "$OUT/candidates.txt" || { echo "family $fam (${FAMILIES[$fam]}): no candidate selected"; exit 2; }
+done
 
 one() {  # family, number, test id
   # the limit as SIGINT to pytest under the sanitizer: pytest stops, summarises, and memcheck writes its summary
