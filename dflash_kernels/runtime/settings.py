@@ -10,6 +10,8 @@ Environment variables (read at import, overridable from Python):
   none and take the first: a warm-up process run beside other GPU work, so that a later tuning run
   only times (nothing is persisted to the tuning store from it).
 - ``DFLASH_KERNELS_VERBOSE=1``: print each compile and tuning result.
+- ``DFLASH_KERNELS_GDN_SAVE_STATES=1``, ``DFLASH_KERNELS_GDN_FWD_SPLIT=1``: the GDN forward's variants
+  (:func:`gdn_save_states`, :func:`gdn_fwd_split`).
 """
 
 import contextlib
@@ -38,6 +40,13 @@ def gdn_save_states() -> bool:
     """DFLASH_KERNELS_GDN_SAVE_STATES=1: the GDN forward keeps its per-chunk states for the backward
     instead of the backward recomputing them (more memory, less time; fixed-length batches only)."""
     return _env_flag("DFLASH_KERNELS_GDN_SAVE_STATES")
+
+
+def gdn_fwd_split() -> bool:
+    """DFLASH_KERNELS_GDN_FWD_SPLIT=1: the GDN forward runs the state scan (storing each chunk's start
+    state and U) and then the output kernel, parallel over chunks, instead of the scan with the output
+    fused in (for few sequences and heads, whose scan keeps few programs busy; opt-in until timed)."""
+    return _env_flag("DFLASH_KERNELS_GDN_FWD_SPLIT")
 
 
 def interpreting() -> bool:

@@ -68,7 +68,7 @@ KNOWN = {
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
     "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
-    "gdn_fwd_nonfinite",
+    "gdn_fwd_nonfinite", "gdn_fwd_output", "gdn_fwd_output_fp32",
     "linear_ce_rows", "adamw",
     "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
     "rope", "swiglu_fwd", "swiglu_bwd",
@@ -159,6 +159,21 @@ def _gdn_chunk(size, dtype):
 
     shape = (1, 1024, 4, 8, 128, 128) if size == "real" else (2, 333, 2, 6, 128, 128)
     _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
+
+
+def _gdn_split(size, dtype):
+    """The forward's output kernel runs in the split forward only (DFLASH_KERNELS_GDN_FWD_SPLIT=1)."""
+    import os
+
+    before = os.environ.get("DFLASH_KERNELS_GDN_FWD_SPLIT")
+    os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = "1"
+    try:
+        _gdn_chunk(size, dtype)
+    finally:
+        if before is None:
+            del os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"]
+        else:
+            os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = before
 
 
 def _gdn_recurrent(size, dtype):
@@ -293,7 +308,7 @@ DRIVERS = {
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
        + ["gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_fwd_nonfinite"]},
-    "gdn_recurrent": _gdn_recurrent,
+    "gdn_recurrent": _gdn_recurrent, "gdn_fwd_output": _gdn_split, "gdn_fwd_output_fp32": _gdn_split,
     "linear_ce_rows": _linear_cross_entropy, "adamw": _adamw,
     "rms_norm_fwd_narrow": _rms_norm(True), "rms_norm_bwd_narrow": _rms_norm(True),
     "rms_norm_fwd_wide": _rms_norm(False), "rms_norm_bwd_wide": _rms_norm(False),

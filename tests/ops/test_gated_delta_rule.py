@@ -140,6 +140,69 @@ def test_saved_states_match_recompute(monkeypatch, B, T, Hk, Hv, K, V, dtype, l2
     _compare(tensors, kwargs, final, dtype)
 
 
+def _same(a, b):
+    """Bit-identical on the CPU (the interpreter runs the same products); one rounding apart on a GPU,
+    where the two paths may be tuned to different V blocks."""
+    if a is None or b is None:
+        return a is None and b is None
+    if device().type == "cpu":
+        return torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+    return bool(torch.isnan(a).eq(torch.isnan(b)).all()) and rel_err(a.nan_to_num(), b.nan_to_num()) < 1e-2
+
+
+SPLIT_CASES = [CASES[0], CASES[2], CASES[5]]
+
+
+@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", [c[1:] for c in SPLIT_CASES],
+                         ids=[c[0] for c in SPLIT_CASES])
+def test_split_forward_matches_fused(monkeypatch, save, B, T, Hk, Hv, K, V, dtype, l2, h0, final):
+    """DFLASH_KERNELS_GDN_FWD_SPLIT=1 (the state scan, then the output over all chunks at once): the fused
+    forward's output, final state and gradients (with the states kept for the backward or recomputed),
+    and the reference's."""
+    tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, normalized=not l2)
+    do = torch.randn(*tensors[2].shape, device=device())
+    dht = torch.randn(B, Hv, K, V, device=device())
+    kwargs = dict(use_qk_l2norm_in_kernel=l2)
+    if save:
+        monkeypatch.setenv("DFLASH_KERNELS_GDN_SAVE_STATES", "1")
+    fused = _run(chunk_gated_delta_rule, tensors, kwargs, final, do, dht)
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "1")
+    launched = []
+    real = kernels_fwd.gdn_fwd_output_kernel.of
+
+    def counting(x):
+        launched.append(x.dtype)
+        return real(x)
+    monkeypatch.setattr(kernels_fwd.gdn_fwd_output_kernel, "of", counting)
+    split = _run(chunk_gated_delta_rule, tensors, kwargs, final, do, dht)
+    assert launched, "the split forward did not launch the output kernel"
+    assert _same(split[0], fused[0]) and _same(split[1], fused[1])
+    for name, grad in fused[2].items():
+        assert _same(split[2][name], grad), name
+    _compare(tensors, kwargs, final, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_forward_varlen_and_nonfinite(monkeypatch, dtype):
+    """The split forward on packed sequences (shorter than a chunk, empty, off the boundary) with a NaN in
+    one sequence's v: the fused forward's outputs, NaN where they are NaN (from the bad token on, in its
+    sequence only), and the final states."""
+    bounds = [0, 30, 94, 94, 160]
+    cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=device())
+    q, k, v, g, beta, h0 = _inputs(1, bounds[-1], 1, 2, 16, 16, dtype, h0=True, N=len(bounds) - 1)
+    v = v.clone()
+    v[0, 110, 1, 3] = float("nan")  # sequence 3 (rows 94..159), value head 1, chunk-local row 16
+    kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "1")
+        o_s, ht_s = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+    assert _same(o_s, o) and _same(ht_s, ht)
+    assert torch.isnan(o_s[0, 110:, 1]).all() and not torch.isnan(o_s[0, :110]).any()
+    assert not torch.isnan(o_s[0, :, 0]).any()
+
+
 @pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
 def test_forward_custom_op_checks(save):
     # Schema, fake (the saved states' shapes) and autograd registration of the forward custom op.

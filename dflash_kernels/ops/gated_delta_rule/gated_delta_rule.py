@@ -19,7 +19,7 @@ from dflash_kernels.ops.gated_delta_rule.checks import check_gdn_inputs, check_k
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import gdn_bwd_local_kernel, gdn_bwd_state_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_nonfinite_kernel, gdn_fwd_scan_kernel,
                                                              gdn_fwd_scan_states_kernel, gdn_fwd_solve_kernel,
-                                                             gdn_fwd_wu_kernel)
+                                                             gdn_fwd_output_kernel, gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_kernel, gdn_l2norm_fwd_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_recurrent import gdn_recurrent_fwd_kernel
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
@@ -181,6 +181,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     start state h and U (v_new), and w is returned, for the backward to skip its recompute: memory
     (h is one [K, V] state per chunk and value head, in the input dtype) for time.
 
+    With ``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` the scan only stores h and v_new (as for ``save_states``) and
+    ``_gdn_fwd_output_kernel`` then computes o over all chunks at once: the same products and roundings,
+    more parallel work for few sequences and heads, two more buffers (h, v_new) written and read.
+
     A_log (and dt_bias): g is the raw gate, its decay computed where the solve kernel reads g.
     beta_mode 1 / 2: beta holds logits, beta = sigmoid / 2 * sigmoid, applied where beta is read.
     cu_seqlens (int32), chunk_indices, chunk_offsets: the layout of ``_varlen_layout``.
@@ -205,15 +209,25 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(layout[0], Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32,
                               device=k.device)
-    if save_states:
-        if cu_seqlens is not None:
-            raise ValueError("save_states: not supported with cu_seqlens (the chunk count depends on its values)")
+    if save_states and cu_seqlens is not None:
+        raise ValueError("save_states: not supported with cu_seqlens (the chunk count depends on its values)")
+    split = settings.gdn_fwd_split()
+    if save_states or split:
         h = alloc.empty(layout[1], Hv, K, V, dtype=k.dtype, device=k.device)
         v_new = alloc.empty_like(u)
     else:
         h = v_new = None
-    _scan(gdn_fwd_scan_kernel.of(q), q, k, w, u, gcum, initial_state, h, v_new, o, final_state, layout, scale,
-          state_v_first, t_bad)
+    if split:  # the state scan stores S0 and U per chunk; the output kernel runs over all chunks at once
+        _scan(gdn_fwd_scan_states_kernel.of(k), None, k, w, u, gcum, initial_state, h, v_new, None, final_state,
+              layout, 1.0, state_v_first, t_bad)
+        N, n_chunks, cu, indices = layout[:4]
+        gdn_fwd_output_kernel.of(q)(lambda m: (cdiv(V, m["BV"]), n_chunks, Hv), q, k, gcum, t_bad, h, v_new, o,
+                                    cu, indices, T, scale, bucket=(bucket(n_chunks * Hv),), HK=Hk, HV=Hv, K=K,
+                                    V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None,
+                                    HAS_T_BAD=t_bad is not None)
+    else:
+        _scan(gdn_fwd_scan_kernel.of(q), q, k, w, u, gcum, initial_state, h, v_new, o, final_state, layout,
+              scale, state_v_first, t_bad)
     if not save_states:  # three tensors: a custom op's outputs must not alias each other
         w, h, v_new = (alloc.empty(0, dtype=q.dtype, device=q.device) for _ in range(3))
     return o, final_state, A, gcum, w, h, v_new

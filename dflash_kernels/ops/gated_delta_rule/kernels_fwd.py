@@ -14,7 +14,8 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
 Kernels: ``nonfinite`` (each chunk's first row holding a NaN / Inf, see below), ``solve`` (G and A)
 and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential S0 -> S1 scan, parallel over
 sequences, heads and V blocks), which in the forward writes o as it goes and in the backward's
-recompute stores S0 and U per chunk instead. Their TritonKernel wrappers and tuning candidates close
+recompute stores S0 and U per chunk instead; ``output`` (the split forward, opt-in) computes o from
+those stored S0 and U, parallel over chunks. Their TritonKernel wrappers and tuning candidates close
 the module.
 
 Non-finite inputs. Every product above is lower triangular inside the chunk (row i of A, w, u and
@@ -464,6 +465,47 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, t_bad_ptr, h0_ptr
     store_state(ht_ptr + i_nh.to(tl.int64) * (K * V), b_h, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
 
 
+@triton.jit(do_not_specialize=["T"])
+def _gdn_fwd_output_kernel(q_ptr, k_ptr, gcum_ptr, t_bad_ptr, h_ptr, vnew_ptr, o_ptr, cu_seqlens_ptr,
+                           chunk_indices_ptr, T, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           BV: tl.constexpr, HAS_T_BAD: tl.constexpr = False):
+    """o of one chunk, ``scale (diag(exp(G)) Q S0 + tril(Q K^T * Gamma) U)``, from the start state S0 and U
+    that the state scan stored (``h``, ``vnew``): the split forward, parallel over chunks, heads and V
+    blocks, where the fused scan computes o inside its sequential loop. The same products and roundings
+    as the fused scan (S0 and U in the input dtype). HAS_T_BAD: o is NaN from the chunk's t_bad on (the
+    stored states after a bad chunk are NaN already)."""
+    tl.static_assert(BK >= K)
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // HK)
+    bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < seqlen
+    rows = bos + o_t
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+    p_k = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
+    p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+    dt = k_ptr.dtype.element_ty
+    b_q = tl.load(q_ptr + p_k, mask=m_tk, other=0)
+    b_k = tl.load(k_ptr + p_k, mask=m_tk, other=0)
+    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+    b_h = tl.load(h_ptr + (i_c * HV + i_h).to(tl.int64) * (K * V) + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0).to(dt)
+    b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0).to(dt)
+    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None]
+    b_P = tl.dot(b_q, tl.trans(b_k))
+    b_P = tl.where(causal, b_P * tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    b_o = tl.dot(b_q, b_h) * tl.exp(b_G)[:, None]
+    b_o += tl.dot(b_P.to(dt), b_vnew)
+    if HAS_T_BAD:
+        b_o = tl.where((o_i < tl.load(t_bad_ptr + i_c * HV + i_h))[:, None], b_o, float("nan"))
+    tl.store(o_ptr + p_v, (b_o * scale).to(o_ptr.dtype.element_ty), mask=m_tv)
+
+
 class ByPrecision:
     """One kernel as two TritonKernels with their own candidates: ``default`` for bf16 / fp16 inputs
     and ``fp32`` (named ``<name>_fp32``) for fp32 inputs.
@@ -514,3 +556,8 @@ gdn_fwd_scan_kernel = ByPrecision(
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
      Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
      Config(BV=64, num_warps=4, LOOP_STAGES=3)], FP32_CONFIGS)
+# The split forward's output (DFLASH_KERNELS_GDN_FWD_SPLIT=1): one chunk per program, no loop.
+gdn_fwd_output_kernel = ByPrecision(
+    _gdn_fwd_output_kernel, "gdn_fwd_output",
+    [Config(BV=64, num_warps=4), Config(BV=128, num_warps=8), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)],
+    FP32_CONFIGS)
