@@ -22,7 +22,9 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   target's forward as CUDA graphs (the option is trainer code, which every group would share as a default;
   ``--groups b,bg``); (gr) (g) with ``use_dflash_kernels(..., gdn_layers=True)`` (q and k reach the delta
   rule at their own head count instead of transformers 5.17's copies to the value heads: 1.2 ms of device
-  time per target forward; its host cost, which kept it opt-in, should not count under the graphs);
+  time per target forward; its host cost, which kept it opt-in, should not count under the graphs); (s)
+  (a) with the split GDN forward (``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan, then
+  the output over all chunks at once; ``--groups a,s``);
 - (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
   (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
   (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
@@ -81,7 +83,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "bg", "c", "e", "g", "gr", "m")
+GROUPS = ("a", "b", "b+", "bg", "c", "e", "g", "gr", "m", "s")
 
 
 def parse_args(argv=None):
@@ -93,8 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
                    "norm/RoPE/SwiGLU chains), g ((a) with the target's forward as CUDA graphs), gr ((g) with the GDN "
-                   "layer route), bg ((b) with the graphs), m ((a) with bf16 weight copies); only a, b, c are in the "
-                   "default")
+                   "layer route), bg ((b) with the graphs), m ((a) with bf16 weight copies), s ((a) with the split "
+                   "GDN forward); only a, b, c are in the default")
     p.add_argument("--plus", default="", help="the (b+) variants to run alone, comma-separated (default all: "
                    "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
@@ -242,7 +244,7 @@ SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
-    if group in ("a", "e", "g", "gr", "m"):
+    if group in ("a", "e", "g", "gr", "m", "s"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "fused", "elementwise": True}
@@ -250,6 +252,8 @@ def group_plan(group: str, dev) -> dict:
             plan.update(label="(e) (a) with eager norm/RoPE/SwiGLU", elementwise=False)
         if group == "m":
             plan.update(label="(m) (a) with bf16 weight copies written by the step", adamw="copies")
+        if group == "s":
+            plan.update(label="(s) (a) with the split GDN forward", env={"DFLASH_KERNELS_GDN_FWD_SPLIT": "1"})
         if group in ("g", "gr"):
             label = ("(g) (a) with the target's forward as CUDA graphs" if group == "g" else
                      "(gr) (g) with the GDN layer route (q, k at their own heads)")
@@ -451,11 +455,19 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     drafter_model.FUSED_OPS = fused
     routing = (use_dflash_kernels(setup.target.model, elementwise=True, gdn_layers=plan.get("gdn_layers", False))
                if fused else None)
+    env = plan.get("env", {})  # the row's library settings (read at each call), restored after it
+    env_before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         if plan.get("peer_loss") or plan.get("liger_elementwise"):
             return _run_plus_group(plan, *args)
         return _run_group(*args)
     finally:
+        for k, v in env_before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if routing is not None:
             routing.undo()
         drafter_model.FUSED_OPS = before
@@ -584,7 +596,7 @@ def parse_groups(text: str) -> list:
     groups = [g.strip() for g in text.split(",") if g.strip()]
     for g in groups:
         if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, bg, c, e, g, gr and/or m")
+            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, bg, c, e, g, gr, m and/or s")
     if "b+" in groups and "b" not in groups[:groups.index("b+")]:
         raise SystemExit("--groups: b+ compares each peer piece with (b) in the same run: put b before b+")
     return groups

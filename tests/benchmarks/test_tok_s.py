@@ -315,3 +315,32 @@ def test_group_gr_is_g_with_the_gdn_layer_route(monkeypatch):
     setup = tok_s.Setup("tiny", None, type("T", (), {"model": None})(), None, "")
     tok_s.run_group(setup, "gr", 1, 0, cuda, torch.bfloat16)
     assert calls == [{"elementwise": True, "gdn_layers": True}] and undone == [1]
+
+
+def test_group_s_sets_the_split_gdn_forward_for_its_row_only(monkeypatch):
+    """(s) is (a) with DFLASH_KERNELS_GDN_FWD_SPLIT=1 while its row runs (the library reads it at each
+    call), restored after the row, also when the row fails."""
+    import os
+
+    import dflash_kernels.integrations.transformers as integ
+    from dflash_kernels.runtime import settings
+
+    cuda = torch.device("cuda")
+    a, s = tok_s.group_plan("a", cuda), tok_s.group_plan("s", cuda)
+    assert {k: v for k, v in s.items() if k not in ("label", "env")} == {k: v for k, v in a.items() if k != "label"}
+    monkeypatch.delenv("DFLASH_KERNELS_GDN_FWD_SPLIT", raising=False)
+    monkeypatch.setattr(integ, "use_dflash_kernels", lambda model, **kw: type("R", (), {"undo": lambda self: None})())
+    seen = []
+
+    def fake_run_group(*args, **kwargs):
+        seen.append(settings.gdn_fwd_split())
+        if len(seen) == 2:
+            raise RuntimeError("boom")
+        return {"group": "x"}
+    monkeypatch.setattr(tok_s, "_run_group", fake_run_group)
+    setup = tok_s.Setup("tiny", None, type("T", (), {"model": None})(), None, "")
+    tok_s.run_group(setup, "s", 1, 0, cuda, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="boom"):
+        tok_s.run_group(setup, "s", 1, 0, cuda, torch.bfloat16)
+    tok_s.run_group(setup, "a", 1, 0, cuda, torch.bfloat16)
+    assert seen == [True, True, False] and "DFLASH_KERNELS_GDN_FWD_SPLIT" not in os.environ
