@@ -51,6 +51,11 @@ agree when the backends compute the same thing) and ``a / this``: (a)'s tokens/s
 optimizer, copies/casts, norm/rope/activation, other; JSON field ``profile_ms``) and ``device_idle_ms``: the
 step's wall time less that device time, what the GPU waits for the host per step.
 
+Before the clock starts, each timed batch's forward and backward run once without an update (the shape
+pass; ``--shape-pass off`` skips it): a batch whose shapes the warm-up steps did not cover would otherwise
+put first-time compilation (torch.compile's recompiles in (b)) and tuning (the library's, once per shape
+bucket and GPU model) into the timed steps, as happened at the ``embedded`` preset, whose batches vary.
+
 Presets:
 - ``embedded``: the embedded default (``python -m trainer.build_default``; built first when
   missing unless ``--no-build``) with the ``embedded`` trainer preset;
@@ -101,6 +106,9 @@ def parse_args(argv=None):
                    "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
+    p.add_argument("--shape-pass", choices=["on", "off"], default="on",
+                   help="before the clock starts, run each timed batch's forward and backward once (no optimizer "
+                        "step), so first-time compilation and tuning of its shapes are not timed (default on)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's sequences per step")
     p.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
@@ -358,6 +366,7 @@ def kernel_ms(events, n: int) -> dict:
 
 
 PROFILE = {"top": 15, "trace": "", "sources": 0.0}  # --profile-top, --trace, --profile-sources
+TIMING = {"shape_pass": True}  # --shape-pass
 
 SOURCE_CATEGORIES = ("copies/casts", "norm/rope/activation")  # torch's own kernels are traced to their callers
 
@@ -384,6 +393,9 @@ def _caller(launch, keep: int = 3):
             elif _PY_FRAME.search(name) and not _TORCH_FRAME.search(name):
                 frames.append(name.rsplit("/", 1)[-1])
         node = node.cpu_parent
+    if not frames and op is not None:  # no Python events above the op: its own recorded stack, if any
+        frames = [f.rsplit("/", 1)[-1] for f in (getattr(op, "stack", None) or ())
+                  if _PY_FRAME.search(f) and not _TORCH_FRAME.search(f)][:keep]
     shapes = str(getattr(op, "input_shapes", "") or "")[:120] if op is not None else ""
     return (op.name if op is not None else launch.name), shapes, " < ".join(frames)
 
@@ -552,8 +564,18 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         opt.zero_grad(set_to_none=True)
         return batch, loss
 
+    def shape_pass(i):  # forward + backward of a timed batch, no update: its shapes compiled and tuned
+        batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
+        loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
+        loss.backward()
+        opt.zero_grad(set_to_none=True)
+
+    row["shape_pass"] = TIMING["shape_pass"]
     for i in range(warmup + steps):
         if i == warmup:
+            if TIMING["shape_pass"]:
+                for j in range(warmup, warmup + steps):
+                    shape_pass(j)
             _sync(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
@@ -637,7 +659,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
 
 
 CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "profile_sources",
-               "trace")
+               "trace", "shape_pass")
 
 
 def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
@@ -790,6 +812,7 @@ def env_info() -> dict:
 def main(argv=None):
     args = parse_args(argv)
     PROFILE.update(top=args.profile_top, trace=args.trace, sources=args.profile_sources)
+    TIMING.update(shape_pass=args.shape_pass == "on")
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         # (a) on a CPU is the library's Triton kernels through the interpreter; the switch must be

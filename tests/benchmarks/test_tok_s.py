@@ -344,3 +344,47 @@ def test_group_s_sets_the_split_gdn_forward_for_its_row_only(monkeypatch):
         tok_s.run_group(setup, "s", 1, 0, cuda, torch.bfloat16)
     tok_s.run_group(setup, "a", 1, 0, cuda, torch.bfloat16)
     assert seen == [True, True, False] and "DFLASH_KERNELS_GDN_FWD_SPLIT" not in os.environ
+
+
+@pytest.mark.parametrize("shape_pass", [True, False])
+def test_shape_pass_runs_every_timed_batch_before_the_clock(monkeypatch, shape_pass):
+    """Every timed batch's forward and backward run once before the clock starts (no update), so first-time
+    compilation and tuning of its shapes are not timed; ``--shape-pass off`` times the steps as they come."""
+    import trainer.step as step
+
+    calls, clock = [], []
+    real_forward = step.forward_loss
+
+    def forward_loss(batch, *a, **k):
+        calls.append(batch["input_ids"].clone())
+        return real_forward(batch, *a, **k)
+    monkeypatch.setattr(step, "forward_loss", forward_loss)
+    real_sync = tok_s._sync
+    monkeypatch.setattr(tok_s, "_sync", lambda dev: clock.append(len(calls)) or real_sync(dev))
+    monkeypatch.setitem(tok_s.TIMING, "shape_pass", shape_pass)
+    args = tok_s.parse_args(["--device", "cpu"])
+    dev = torch.device("cpu")
+    setup = tok_s.setup_tiny(args, dev, torch.float32, lambda *a: None)
+    warmup, steps = 1, 2
+    row = tok_s.run_group(setup, "c", steps, warmup, dev, torch.float32)
+    assert row["shape_pass"] is shape_pass and row["tok_s"] > 0
+    assert len(calls) == warmup + steps * (2 if shape_pass else 1), len(calls)
+    timed = calls[-steps:]
+    before_clock = calls[:clock[-2]]  # _sync: after step 1's loss, at the clock's start, at its end
+    seen = [any(torch.equal(t, b) for b in before_clock) for t in timed]
+    assert seen == [shape_pass] * steps
+
+
+def test_caller_falls_back_to_the_ops_recorded_stack():
+    """Where the profile has no Python events above the op, its own recorded ``stack`` names the caller
+    (torch frames left out)."""
+    from types import SimpleNamespace as E
+
+    op = E(name="aten::repeat_interleave", cpu_parent=E(name="<built-in method repeat_interleave>", cpu_parent=None),
+           input_shapes=[[1, 3072, 16, 128], [], [], []],
+           stack=["/x/site-packages/torch/nn/modules/module.py(1789): _call_impl",
+                  "/x/site-packages/transformers/models/qwen3_5/modeling_qwen3_5.py(420): forward",
+                  "/work/trainer/target.py(160): _features"])
+    launch = E(name="cudaLaunchKernel", cpu_parent=op)
+    assert tok_s._caller(launch) == ("aten::repeat_interleave", "[[1, 3072, 16, 128], [], [], []]",
+                                     "modeling_qwen3_5.py(420): forward < target.py(160): _features")
