@@ -70,6 +70,7 @@ command.
 """
 
 import argparse
+import bisect
 import dataclasses
 import datetime
 import json
@@ -119,8 +120,9 @@ def parse_args(argv=None):
     p.add_argument("--profile-top", type=int, default=15, metavar="N", help="kernels listed per profiled group")
     p.add_argument("--profile-sources", type=float, default=0.0, metavar="MS",
                    help="with --profile: also trace the copies/casts and torch elementwise kernels of at least MS "
-                        "device ms per step to their ATen op, input shapes and Python caller (record_shapes and "
-                        "with_stack: more host time while profiling, not in the timing)")
+                        "device ms per step to their ATen op, input shapes and Python caller, and the GPU's idle "
+                        "gaps to what the host was running then (record_shapes and with_stack: more host time "
+                        "while profiling, not in the timing)")
     p.add_argument("--trace", default="", metavar="DIR",
                    help="also write each profiled group's torch.profiler trace (Chrome JSON) into DIR")
     p.add_argument("--json", default="", help="also write the rows to this JSON file")
@@ -338,12 +340,12 @@ def category(name: str) -> str:
     return "other"
 
 
-def kernel_ms(events, n: int) -> dict:
-    """``{kernel name: device ms per step}`` from a profile of ``n`` steps: the device events less the
-    record_function ranges mirrored on the device timeline (torch's ``Optimizer.step#AdamW.step``: it
-    spans the kernels it launched and would count them twice). A range is a device event flagged as a
-    user annotation, or one named like a host event that spans another device event; a kernel named like
-    its host-side launch record (torch.compile's Triton kernels, e.g. flex attention's) spans none."""
+def device_kernels(events) -> list:
+    """The kernels of a profile, by start time: the device events less the record_function ranges
+    mirrored on the device timeline (torch's ``Optimizer.step#AdamW.step``: it spans the kernels it
+    launched and would count them twice). A range is a device event flagged as a user annotation, or one
+    named like a host event that spans another device event; a kernel named like its host-side launch
+    record (torch.compile's Triton kernels, e.g. flex attention's) spans none."""
     cuda = torch.autograd.DeviceType.CUDA
     host = {e.name for e in events if e.device_type != cuda}
     dev = sorted((e for e in events if e.device_type == cuda), key=lambda e: (e.time_range.start, -e.time_range.end))
@@ -357,10 +359,14 @@ def kernel_ms(events, n: int) -> dict:
                 return True
         return False
 
+    return [e for i, e in enumerate(dev)
+            if not (getattr(e, "is_user_annotation", False) or (e.name in host and spans_another(i)))]
+
+
+def kernel_ms(events, n: int) -> dict:
+    """``{kernel name: device ms per step}`` from a profile of ``n`` steps (:func:`device_kernels`)."""
     kernels = {}
-    for i, e in enumerate(dev):
-        if getattr(e, "is_user_annotation", False) or (e.name in host and spans_another(i)):
-            continue
+    for e in device_kernels(events):
         kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time_total / 1e3 / n
     return kernels
 
@@ -416,6 +422,47 @@ def kernel_sources(events, n: int, min_ms: float, categories=SOURCE_CATEGORIES) 
     return sorted(rows, key=lambda r: -r[0])
 
 
+def idle_sources(events, n: int, min_ms: float, walk: int = 4000) -> tuple:
+    """Where the GPU waits for the host, from a profile taken with ``with_stack``: the gaps between the
+    device's busy intervals (every stream merged), from the first kernel to the last, each attributed to
+    what the host was doing at the gap's middle: the most recently started host event still running then
+    (any thread; the backward's ops run on autograd's), named by :func:`_caller` (its outermost ATen op,
+    the Python frames above it). Returns ``(idle ms per step, [(ms per step, gaps per step, op, shapes,
+    caller)])``, the groups of at least ``min_ms``, largest first."""
+    cuda = torch.autograd.DeviceType.CUDA
+    busy = []
+    for e in device_kernels(events):
+        start, end = e.time_range.start, e.time_range.end
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    host = sorted((e for e in events if e.device_type != cuda), key=lambda e: e.time_range.start)
+    starts = [e.time_range.start for e in host]
+    groups, total = {}, 0.0
+    for (_, g0), (g1, _) in zip(busy, busy[1:]):
+        mid, held = (g0 + g1) / 2, None
+        i = bisect.bisect_right(starts, mid) - 1
+        for j in range(i, max(i - walk, -1), -1):
+            if host[j].time_range.end >= mid:
+                held = host[j]
+                break
+        key = _caller(_AsLaunch(held.name, held)) if held is not None else ("(no host event)", "", "")
+        ms, count = groups.get(key, (0.0, 0))
+        groups[key] = (ms + (g1 - g0) / 1e3 / n, count + 1)
+        total += (g1 - g0) / 1e3 / n
+    rows = [(ms, count / n, *key) for key, (ms, count) in groups.items() if ms >= min_ms]
+    return total, sorted(rows, key=lambda r: -r[0])
+
+
+class _AsLaunch:
+    """A stand-in launch record whose parent is ``event``: :func:`_caller` then names the event itself
+    (an ATen op, a Python frame, a CUDA runtime call) and what is above it."""
+
+    def __init__(self, name, event):
+        self.name, self.cpu_parent = name, event
+
+
 def profile_steps(step, n: int, dev, label: str, log) -> dict:
     """Run ``step`` n times under torch.profiler; log device ms per step by category and the top kernels.
     Returns ``{category: device ms per step}`` (empty off the GPU)."""
@@ -443,6 +490,11 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
         log(f"      where {' and '.join(SOURCE_CATEGORIES)} come from (>= {PROFILE['sources']} ms per step):")
         for ms, cat, kname, op, shapes, frames in kernel_sources(prof.events(), n, PROFILE["sources"]):
             log(f"      {ms:8.2f} ms  {cat:20s} {op} {shapes} <- {frames or '?'} [{kname[:60]}]")
+        idle, rows = idle_sources(prof.events(), n, PROFILE["sources"])
+        log(f"      where the GPU waits for the host: {idle:.2f} ms per step between the first and the last kernel, "
+            f"by what the host was running (>= {PROFILE['sources']} ms per step):")
+        for ms, gaps, op, shapes, frames in rows:
+            log(f"      {ms:8.2f} ms  {gaps:7.1f} gaps  {op} {shapes} <- {frames or '?'}")
     if PROFILE["trace"]:
         os.makedirs(PROFILE["trace"], exist_ok=True)
         path = os.path.join(PROFILE["trace"], re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".json")

@@ -388,3 +388,40 @@ def test_caller_falls_back_to_the_ops_recorded_stack():
     launch = E(name="cudaLaunchKernel", cpu_parent=op)
     assert tok_s._caller(launch) == ("aten::repeat_interleave", "[[1, 3072, 16, 128], [], [], []]",
                                      "modeling_qwen3_5.py(420): forward < target.py(160): _features")
+
+
+def test_idle_sources_attribute_each_gap_to_what_the_host_was_running():
+    """The GPU's idle gaps (every stream's kernels merged, user-annotation ranges left out) go to the host
+    event running at the gap's middle, the most recently started one: a host sync's op, a Python mask
+    build; time the GPU is busy on any stream is no gap."""
+    from types import SimpleNamespace as E
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(name, dtype, start, end, parent=None, shapes=(), **kw):
+        return E(name=name, device_type=dtype, time_range=E(start=start, end=end), cpu_parent=parent,
+                 input_shapes=list(shapes), device_time_total=float(end - start) if dtype == cuda else 0.0, **kw)
+
+    step = ev("trainer/step.py(50): drafter_loss", cpu, 0, 2000)
+    nonzero = ev("aten::nonzero", cpu, 200, 310, step, shapes=[[8, 64]])
+    masks = ev("benchmarks/peers.py(70): masks", cpu, 400, 1000, step)
+    early = ev("aten::lt", cpu, 400, 420, masks)  # started with the mask build, over before the gap's middle
+    events = [step, nonzero, masks, early,
+              ev("k1", cuda, 0, 100), ev("k2", cuda, 90, 200),  # two streams: one busy interval
+              ev("k3", cuda, 300, 400), ev("k4", cuda, 1000, 1100),
+              ev("range", cuda, 0, 1100, is_user_annotation=True)]
+    idle, rows = tok_s.idle_sources(events, 1, 0.0)
+    assert idle == pytest.approx(0.7)
+    assert [(round(ms, 6), gaps, op) for ms, gaps, op, shapes, caller in rows] == [
+        (0.6, 1.0, "benchmarks/peers.py(70): masks"), (0.1, 1.0, "aten::nonzero")]
+    assert rows[0][4] == "peers.py(70): masks < step.py(50): drafter_loss"
+    assert rows[1][3] == "[[8, 64]]" and rows[1][4] == "step.py(50): drafter_loss"
+    idle2, rows2 = tok_s.idle_sources(events, 2, 0.2)  # per step over 2 steps, a threshold
+    assert idle2 == pytest.approx(0.35) and [r[2] for r in rows2] == ["benchmarks/peers.py(70): masks"]
+
+
+def test_idle_sources_of_a_profile_without_kernels_is_empty():
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        torch.randn(64, 32).t().contiguous()
+    assert tok_s.idle_sources(prof.events(), 1, 0.0) == (0.0, [])
