@@ -21,32 +21,43 @@ class FlexDrafterAttention:
     within the window on sliding layers, and its own block's keys; invalid blocks see nothing), and
     each layer's attention forward is replaced by the same projections, norms and RoPE as
     ``trainer.model.Attention.forward`` followed by flex instead of ``block_sparse_attention``.
-    The masks are rebuilt every step, as a trainer must (anchors are resampled every step); the
-    mask functions read the anchors from fixed buffers, so ``torch.compile`` sees the same
+    The masks are rebuilt every step, as a trainer must (anchors are resampled every step), by
+    ``torch.compile(create_block_mask)`` (with ``compiled``, the default); the mask functions read the
+    anchors, valid flags and context length from fixed buffers, so ``torch.compile`` sees the same
     ``mask_mod`` every step and does not recompile. ``mask_s`` accumulates the build's host time (its
     kernels run asynchronously; up to 2026-12-02 06:43 a synchronization after the build made this the
     wait for all earlier GPU work plus the build, and put a host synchronization into (b)'s step).
     """
 
-    def __init__(self, drafter, compiled: bool = True):
-        from torch.nn.attention.flex_attention import flex_attention
+    def __init__(self, drafter, compiled: bool = True, compile_options=None, compiled_mask=None):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         self.drafter = drafter
-        self.flex = torch.compile(flex_attention) if compiled else flex_attention
+        # compiled: flex_attention and the mask build both under torch.compile (``compile_options`` its
+        # keywords), as torchtitan and NeMo's DFlash masks do and PyTorch recommends for large masks (the
+        # eager build materializes the dense [B, Tq, KV] mask: 8192 x 11264 per sequence at the real preset).
+        # compiled_mask: the mask build's own choice (default: as ``compiled``).
+        opts = compile_options or {}
+        compiled_mask = compiled if compiled_mask is None else compiled_mask
+        self.flex = torch.compile(flex_attention, **opts) if compiled else flex_attention
+        self.create_block_mask = torch.compile(create_block_mask, **opts) if compiled_mask else create_block_mask
         self.mask_s = 0.0
-        self.anchors = None
-        self.valid = None
+        self.anchors = self.valid = self.context_len = None
         self.mask_mods = {}
         drafter.masks = self.masks
         for layer in drafter.layers:
             layer.self_attn.attend = self._attend_fn()
 
-    def _mask_mod(self, S: int, window):
+    def _mask_mod(self, window):
+        """The DFlash mask of one layer type; the anchors, valid flags and context length are read from
+        buffers refilled every step, so the same function serves every step and length (no recompiles
+        for a new context length beyond torch.compile's dynamic-shape one)."""
         bs = self.drafter.config.block_size
 
         def mask_mod(b, h, q_idx, kv_idx):
             blk = q_idx // bs
             a = self.anchors[b, blk]
+            S = self.context_len
             ctx = kv_idx < a
             if window is not None:
                 ctx = ctx & (kv_idx >= a - window)
@@ -55,25 +66,25 @@ class FlexDrafterAttention:
         return mask_mod
 
     def masks(self, anchors, context_len, valid=None):
-        from torch.nn.attention.flex_attention import create_block_mask
-
         cfg = self.drafter.config
         t0 = time.perf_counter()
         if valid is None:
             valid = torch.ones_like(anchors, dtype=torch.bool)
         if self.anchors is None or self.anchors.shape != anchors.shape or self.anchors.device != anchors.device:
-            self.anchors, self.valid, self.mask_mods = anchors.clone(), valid.clone(), {}
+            self.anchors, self.valid = anchors.clone(), valid.clone()
+            self.context_len = torch.zeros((), dtype=torch.int64, device=anchors.device)
         self.anchors.copy_(anchors)
         self.valid.copy_(valid)
+        self.context_len.fill_(context_len)
         B, N = anchors.shape
         Tq = N * cfg.block_size
         out = {}
         for t in set(cfg.layer_types):
             window = cfg.sliding_window if t == "sliding_attention" else None
-            key = (context_len, window)
-            if key not in self.mask_mods:
-                self.mask_mods[key] = self._mask_mod(context_len, window)
-            out[t] = create_block_mask(self.mask_mods[key], B, None, Tq, context_len + Tq, device=anchors.device)
+            if window not in self.mask_mods:
+                self.mask_mods[window] = self._mask_mod(window)
+            out[t] = self.create_block_mask(self.mask_mods[window], B, None, Tq, context_len + Tq,
+                                            device=anchors.device)
         self.mask_s += time.perf_counter() - t0  # host time: no synchronization added to the peer's step
         return out
 

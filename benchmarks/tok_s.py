@@ -10,7 +10,8 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   ops would run the interpreter), and torch's fused AdamW (``triton`` on a GPU; on a CPU the same
   Triton kernels through Triton's interpreter);
 - (b) ``peers`` (``benchmarks/peers.py``): the drafter's attention as ``torch.compile(flex_attention)`` with a
-  ``create_block_mask`` BlockMask rebuilt every step (anchors change every step), the target's GDN
+  BlockMask rebuilt every step by ``torch.compile(create_block_mask)`` (anchors change every step;
+  ``--flex-mask eager`` builds it eagerly, as the rows up to 2026-12-02 10:37 did), the target's GDN
   on fla and its conv on causal-conv1d where those are importable (CUDA only); the loss over the
   whole logits (``F.linear`` + fp32 ``F.cross_entropy``) and torch's default (foreach) AdamW;
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch;
@@ -110,6 +111,9 @@ def parse_args(argv=None):
     p.add_argument("--shape-pass", choices=["on", "off"], default="on",
                    help="before the clock starts, run each timed batch's forward and backward once (no optimizer "
                         "step), so first-time compilation and tuning of its shapes are not timed (default on)")
+    p.add_argument("--flex-mask", choices=["compiled", "eager"], default="compiled",
+                   help="how (b) builds its flex BlockMask each step: torch.compile(create_block_mask) (default, "
+                        "what PyTorch recommends for large masks) or the eager create_block_mask")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's sequences per step")
     p.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
@@ -372,7 +376,7 @@ def kernel_ms(events, n: int) -> dict:
 
 
 PROFILE = {"top": 15, "trace": "", "sources": 0.0}  # --profile-top, --trace, --profile-sources
-TIMING = {"shape_pass": True}  # --shape-pass
+TIMING = {"shape_pass": True, "flex_mask": "compiled"}  # --shape-pass, --flex-mask
 
 SOURCE_CATEGORIES = ("copies/casts", "norm/rope/activation")  # torch's own kernels are traced to their callers
 
@@ -592,7 +596,9 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         if target.tokenizer is not None else (cfg.mask_token_id if cfg.mask_token_id is not None
                                               else target.vocab_size - 1)
     drafter = build_drafter(cfg, target, mask_id).to(dev)
-    flex = FlexDrafterAttention(drafter) if plan["flex"] else None
+    flex = FlexDrafterAttention(drafter, compiled_mask=TIMING["flex_mask"] == "compiled") if plan["flex"] else None
+    if flex is not None:
+        row["flex_mask"] = TIMING["flex_mask"]
     if on_drafter is not None:
         on_drafter(drafter)
     cfg = dataclasses.replace(cfg, loss=plan["loss"])
@@ -711,7 +717,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
 
 
 CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "profile_sources",
-               "trace", "shape_pass")
+               "trace", "shape_pass", "flex_mask")
 
 
 def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
@@ -864,7 +870,7 @@ def env_info() -> dict:
 def main(argv=None):
     args = parse_args(argv)
     PROFILE.update(top=args.profile_top, trace=args.trace, sources=args.profile_sources)
-    TIMING.update(shape_pass=args.shape_pass == "on")
+    TIMING.update(shape_pass=args.shape_pass == "on", flex_mask=args.flex_mask)
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         # (a) on a CPU is the library's Triton kernels through the interpreter; the switch must be

@@ -425,3 +425,31 @@ def test_idle_sources_of_a_profile_without_kernels_is_empty():
     with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
         torch.randn(64, 32).t().contiguous()
     assert tok_s.idle_sources(prof.events(), 1, 0.0) == (0.0, [])
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="cpu-aot_eager"), pytest.param("cuda", id="cuda-inductor", marks=pytest.mark.gpu)])
+def test_flex_peer_compiled_masks_match_the_eager_build(device):
+    """(b)'s masks come from ``torch.compile(create_block_mask)``: the same BlockMask as the eager build,
+    step after step with new anchors, valid flags and context lengths read from its buffers. On the CPU
+    through the ``aot_eager`` backend (dynamo's tracing and guards; inductor's CPU code for this mask does
+    not compile with torch 2.13: "operands to ?: have different types"), on the GPU through inductor."""
+    from trainer.model import DFlashDrafter, DrafterConfig
+
+    cfg = DrafterConfig(hidden_size=64, intermediate_size=96, vocab_size=100, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=64, block_size=4, target_layer_ids=[0, 1],
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    opts = {"backend": "aot_eager"} if device == "cpu" else None
+    compiled = tok_s.FlexDrafterAttention(DFlashDrafter(cfg), compiled=True, compile_options=opts)
+    eager = tok_s.FlexDrafterAttention(DFlashDrafter(cfg), compiled=False)
+    steps = [(torch.tensor([[2, 9, 15], [0, 7, 17]]), 21, torch.tensor([[True, True, True], [True, False, True]])),
+             (torch.tensor([[5, 1, 20], [3, 3, 30]]), 33, None),
+             (torch.tensor([[0, 4, 8], [1, 2, 3]]), 12, torch.tensor([[False, True, True], [True, True, False]]))]
+    for anchors, S, valid in steps:
+        anchors, valid = anchors.to(device), valid if valid is None else valid.to(device)
+        got, want = compiled.masks(anchors, S, valid), eager.masks(anchors, S, valid)
+        assert set(got) == set(want) == {"sliding_attention", "full_attention"}
+        for t in want:
+            assert torch.equal(got[t].to_dense(), want[t].to_dense()), (t, S)
+            assert got[t].seq_lengths == want[t].seq_lengths == (12, S + 12)
+    assert compiled.create_block_mask is not eager.create_block_mask and compiled.mask_s > 0
