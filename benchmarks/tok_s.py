@@ -512,7 +512,9 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     """One group's row (``_run_group``). Every group sets the drafter's norm / RoPE / SwiGLU path
     (``trainer.model.FUSED_OPS``) for its duration: the fused ops where the plan has ``elementwise`` and
     the device is a GPU ((a): the trainer's default there), routed in the target too; the plain
-    torch chains otherwise ((b), (c), (e); a CPU, where the ops would run the interpreter)."""
+    torch chains otherwise ((b), (c), (e); a CPU, where the ops would run the interpreter). The op
+    backends the group sets are restored after it too."""
+    import dflash_kernels as dk
     import trainer.model as drafter_model
     from dflash_kernels.integrations.transformers import use_dflash_kernels
 
@@ -525,6 +527,7 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
                if fused else None)
     env = plan.get("env", {})  # the row's library settings (read at each call), restored after it
     env_before = {k: os.environ.get(k) for k in env}
+    backends_before = {op: dk.get_backend(op) for op in plan.get("backends", {})}
     os.environ.update(env)
     try:
         if plan.get("peer_loss") or plan.get("liger_elementwise"):
@@ -539,6 +542,8 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
         if routing is not None:
             routing.undo()
         drafter_model.FUSED_OPS = before
+        for op, name in backends_before.items():
+            dk.set_backend(op, name)
 
 
 def _run_plus_group(plan, setup, *args):

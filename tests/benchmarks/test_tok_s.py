@@ -366,7 +366,11 @@ def test_shape_pass_runs_every_timed_batch_before_the_clock(monkeypatch, shape_p
     dev = torch.device("cpu")
     setup = tok_s.setup_tiny(args, dev, torch.float32, lambda *a: None)
     warmup, steps = 1, 2
+    import dflash_kernels as dk
+    ops = sorted(tok_s.group_plan("c", dev)["backends"])
+    before = {op: dk.get_backend(op) for op in ops}
     row = tok_s.run_group(setup, "c", steps, warmup, dev, torch.float32)
+    assert {op: dk.get_backend(op) for op in ops} == before  # (c)'s reference backends set for its row only
     assert row["shape_pass"] is shape_pass and row["tok_s"] > 0
     assert len(calls) == warmup + steps * (2 if shape_pass else 1), len(calls)
     timed = calls[-steps:]
