@@ -386,11 +386,18 @@ _TORCH_FRAME = re.compile(r"(^|site-packages/|dist-packages/)torch/")  # not /op
 
 
 def _caller(launch, keep: int = 3):
-    """``(outer op, its input shapes, caller)`` of a kernel's host launch record: walking up the profiler's
-    parents, the outermost ATen op of the first run of ATen ops (``aten::contiguous`` rather than the
-    ``aten::copy_`` inside it), then the first ``keep`` Python frames outside torch (``with_stack`` records
-    them as events above the op), or the autograd node for a backward kernel."""
-    op, frames, node, in_ops = None, [], launch.cpu_parent, True
+    """``(outer op, its input shapes, caller)`` of a kernel's host launch record (:func:`_source` of its
+    parent)."""
+    return _source(launch.cpu_parent, launch.name, keep)
+
+
+def _source(node, name_if_no_op: str, keep: int = 3):
+    """``(outer op, its input shapes, caller)`` of host event ``node``: walking up the profiler's parents
+    from it, the outermost ATen op of the first run of ATen ops (``aten::contiguous`` rather than the
+    ``aten::copy_`` inside it; ``name_if_no_op`` when there is none), then the first ``keep`` Python frames
+    outside torch (``with_stack`` records them as events above the op), or the autograd node for a
+    backward kernel."""
+    op, frames, in_ops = None, [], True
     while node is not None and len(frames) < keep:
         name = node.name
         if name.startswith("aten::"):
@@ -407,7 +414,7 @@ def _caller(launch, keep: int = 3):
         frames = [f.rsplit("/", 1)[-1] for f in (getattr(op, "stack", None) or ())
                   if _PY_FRAME.search(f) and not _TORCH_FRAME.search(f)][:keep]
     shapes = str(getattr(op, "input_shapes", "") or "")[:120] if op is not None else ""
-    return (op.name if op is not None else launch.name), shapes, " < ".join(frames)
+    return (op.name if op is not None else name_if_no_op), shapes, " < ".join(frames)
 
 
 def kernel_sources(events, n: int, min_ms: float, categories=SOURCE_CATEGORIES) -> list:
@@ -430,7 +437,7 @@ def idle_sources(events, n: int, min_ms: float, walk: int = 4000) -> tuple:
     """Where the GPU waits for the host, from a profile taken with ``with_stack``: the gaps between the
     device's busy intervals (every stream merged), from the first kernel to the last, each attributed to
     what the host was doing at the gap's middle: the most recently started host event still running then
-    (any thread; the backward's ops run on autograd's), named by :func:`_caller` (its outermost ATen op,
+    (any thread; the backward's ops run on autograd's), named by :func:`_source` (its outermost ATen op,
     the Python frames above it). Returns ``(idle ms per step, [(ms per step, gaps per step, op, shapes,
     caller)])``, the groups of at least ``min_ms``, largest first."""
     cuda = torch.autograd.DeviceType.CUDA
@@ -451,20 +458,12 @@ def idle_sources(events, n: int, min_ms: float, walk: int = 4000) -> tuple:
             if host[j].time_range.end >= mid:
                 held = host[j]
                 break
-        key = _caller(_AsLaunch(held.name, held)) if held is not None else ("(no host event)", "", "")
+        key = _source(held, held.name) if held is not None else ("(no host event)", "", "")
         ms, count = groups.get(key, (0.0, 0))
         groups[key] = (ms + (g1 - g0) / 1e3 / n, count + 1)
         total += (g1 - g0) / 1e3 / n
     rows = [(ms, count / n, *key) for key, (ms, count) in groups.items() if ms >= min_ms]
     return total, sorted(rows, key=lambda r: -r[0])
-
-
-class _AsLaunch:
-    """A stand-in launch record whose parent is ``event``: :func:`_caller` then names the event itself
-    (an ATen op, a Python frame, a CUDA runtime call) and what is above it."""
-
-    def __init__(self, name, event):
-        self.name, self.cpu_parent = name, event
 
 
 def profile_steps(step, n: int, dev, label: str, log) -> dict:
@@ -618,27 +617,22 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     drafter.train()
     tokens, timed, t_timed = 0, [], None
 
-    def train_step(i):
+    def train_step(i, update=True):  # update=False: the shape pass (its shapes compiled and tuned, no step)
         batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
         loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
         loss.backward()
-        clip_and_step(opt, drafter.parameters(), cfg.grad_clip)
-        sched.step()
+        if update:
+            clip_and_step(opt, drafter.parameters(), cfg.grad_clip)
+            sched.step()
         opt.zero_grad(set_to_none=True)
         return batch, loss
-
-    def shape_pass(i):  # forward + backward of a timed batch, no update: its shapes compiled and tuned
-        batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
-        loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
-        loss.backward()
-        opt.zero_grad(set_to_none=True)
 
     row["shape_pass"] = TIMING["shape_pass"]
     for i in range(warmup + steps):
         if i == warmup:
             if TIMING["shape_pass"]:
                 for j in range(warmup, warmup + steps):
-                    shape_pass(j)
+                    train_step(j, update=False)
             _sync(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
