@@ -17,11 +17,12 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch;
 - (e) (a) with the plain torch norm / RoPE / SwiGLU chains in the drafter and the target, for the A/B
   of those ops (``--groups a,e``; not in the default);
-- (m) (a) with ``compute_weights="copies"`` (bf16 weight copies written by the optimizer) and (g) (a) with
-  the frozen target's feature forward replayed as CUDA graphs (``Target.use_cuda_graphs``; GPU only):
-  opt-in changes, A/B'd against (a) (``--groups a,m`` / ``a,g``; not in the default); (bg) (b) with the
-  target's forward as CUDA graphs (the option is trainer code, which every group would share as a default;
-  ``--groups b,bg``); (gr) (g) with ``use_dflash_kernels(..., gdn_layers=True)`` (q and k reach the delta
+- (m) (a) with ``compute_weights="copies"`` (bf16 weight copies written by the optimizer), an opt-in
+  change A/B'd against (a) (``--groups a,m``; not in the default); (n) (a) and (bn) (b) with the frozen
+  target's feature forward run eagerly: every group follows the trainer's default
+  (``TrainConfig.target_cuda_graphs="auto"``: the forward replayed as CUDA graphs on a GPU; trainer code,
+  which every group shares), and these rows are its A/B (``--groups a,n`` / ``b,bn``); (gr) (a) with
+  ``use_dflash_kernels(..., gdn_layers=True)`` (q and k reach the delta
   rule at their own head count instead of transformers 5.17's copies to the value heads: 1.2 ms of device
   time per target forward; its host cost, which kept it opt-in, should not count under the graphs); (s)
   (a) with the split GDN forward (``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan, then
@@ -90,7 +91,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "bg", "c", "e", "g", "gr", "m", "s")
+GROUPS = ("a", "b", "b+", "bn", "c", "e", "gr", "m", "n", "s")
 
 
 def parse_args(argv=None):
@@ -101,9 +102,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
-                   "norm/RoPE/SwiGLU chains), g ((a) with the target's forward as CUDA graphs), gr ((g) with the GDN "
-                   "layer route), bg ((b) with the graphs), m ((a) with bf16 weight copies), s ((a) with the split "
-                   "GDN forward); only a, b, c are in the default")
+                   "norm/RoPE/SwiGLU chains), n ((a) with the target's forward eager, not as CUDA graphs), bn ((b) "
+                   "likewise), gr ((a) with the GDN layer route), m ((a) with bf16 weight copies), s ((a) with the "
+                   "split GDN forward); only a, b, c are in the default")
     p.add_argument("--plus", default="", help="the (b+) variants to run alone, comma-separated (default all: "
                    "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
@@ -114,6 +115,9 @@ def parse_args(argv=None):
     p.add_argument("--flex-mask", choices=["compiled", "eager"], default="compiled",
                    help="how (b) builds its flex BlockMask each step: torch.compile(create_block_mask) (default, "
                         "what PyTorch recommends for large masks) or the eager create_block_mask")
+    p.add_argument("--target-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="the target's forward as CUDA graphs in every group that does not set it ((n), (bn) run it "
+                        "eagerly): the trainer's --target-cuda-graphs, default auto (on a GPU)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's sequences per step")
     p.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
@@ -258,7 +262,7 @@ SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
-    if group in ("a", "e", "g", "gr", "m", "s"):
+    if group in ("a", "e", "gr", "m", "n", "s"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "fused", "elementwise": True}
@@ -268,25 +272,23 @@ def group_plan(group: str, dev) -> dict:
             plan.update(label="(m) (a) with bf16 weight copies written by the step", adamw="copies")
         if group == "s":
             plan.update(label="(s) (a) with the split GDN forward", env={"DFLASH_KERNELS_GDN_FWD_SPLIT": "1"})
-        if group in ("g", "gr"):
-            label = ("(g) (a) with the target's forward as CUDA graphs" if group == "g" else
-                     "(gr) (g) with the GDN layer route (q, k at their own heads)")
-            if cpu:
-                return {"label": label, "skip": "CUDA graphs need a GPU"}
-            plan.update(label=label, target_graphs=True, gdn_layers=group == "gr")
+        if group == "n":
+            plan.update(label="(n) (a) with the target's forward eager (no CUDA graphs)", target_graphs=False)
+        if group == "gr":
+            plan.update(label="(gr) (a) with the GDN layer route (q, k at their own heads)", gdn_layers=True)
         return plan
     if group == "c":
         return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "foreach"}
     if cpu:
-        return {"label": "(bg) (b) with the target's forward as CUDA graphs" if group == "bg" else "(b) peers",
+        return {"label": "(bn) (b) with the target's forward eager" if group == "bn" else "(b) peers",
                 "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
                 "flex is measured on the GPU)"}
     back, missing = peer_backends()
     plan = {"label": "(b) peers", "backends": back, "flex": True, "note": "; ".join(missing),
             "loss": "logits", "adamw": "foreach"}
-    if group == "bg":  # the trainer's CUDA-graph option is trainer code, which every group shares
-        plan.update(label="(bg) (b) with the target's forward as CUDA graphs", target_graphs=True)
+    if group == "bn":  # the trainer's CUDA-graph default is trainer code, which every group shares
+        plan.update(label="(bn) (b) with the target's forward eager (no CUDA graphs)", target_graphs=False)
     if group.startswith("b+"):  # b+<loss>[+liger-ew]: (b) with a peer's fused loss and/or Liger's elementwise ops
         parts = group[2:].split("+")
         loss = parts[0] if parts[0] in PLUS_LOSSES else None
@@ -376,7 +378,7 @@ def kernel_ms(events, n: int) -> dict:
 
 
 PROFILE = {"top": 15, "trace": "", "sources": 0.0}  # --profile-top, --trace, --profile-sources
-TIMING = {"shape_pass": True, "flex_mask": "compiled"}  # --shape-pass, --flex-mask
+TIMING = {"shape_pass": True, "flex_mask": "compiled", "target_graphs": "auto"}  # --shape-pass, --flex-mask, ...
 
 SOURCE_CATEGORIES = ("copies/casts", "norm/rope/activation")  # torch's own kernels are traced to their callers
 
@@ -466,6 +468,17 @@ def idle_sources(events, n: int, min_ms: float, walk: int = 4000) -> tuple:
     return total, sorted(rows, key=lambda r: -r[0])
 
 
+def profiler_options(sources: bool) -> dict:
+    """torch.profiler keywords: for ``--profile-sources``, shapes and Python stacks, both as events above each
+    op and as the op's own recorded ``stack`` (``verbose``: in CUDA profiles with torch 2.11 the Python
+    events were not linked above the ops; pytorch/pytorch#100253, #127951), which :func:`_source` reads."""
+    if not sources:
+        return {"record_shapes": False, "with_stack": False}
+    from torch._C._profiler import _ExperimentalConfig
+
+    return {"record_shapes": True, "with_stack": True, "experimental_config": _ExperimentalConfig(verbose=True)}
+
+
 def profile_steps(step, n: int, dev, label: str, log) -> dict:
     """Run ``step`` n times under torch.profiler; log device ms per step by category and the top kernels.
     Returns ``{category: device ms per step}`` (empty off the GPU)."""
@@ -475,8 +488,7 @@ def profile_steps(step, n: int, dev, label: str, log) -> dict:
         log(f"    profile {label}: skipped (the device-time breakdown needs a GPU)")
         return {}
     sources = PROFILE["sources"] > 0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=sources,
-                 with_stack=sources) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], **profiler_options(sources)) as prof:
         for _ in range(n):
             step()
         _sync(dev)
@@ -590,7 +602,10 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         return row
     if group == "c":
         steps = min(steps, reference_steps)
-    target.use_cuda_graphs(plan.get("target_graphs", False))
+    graphs = plan.get("target_graphs")
+    if graphs is None:  # the trainer's rule (default "auto": on a GPU), as --target-graphs sets it
+        graphs = dataclasses.replace(cfg, target_cuda_graphs=TIMING["target_graphs"]).target_graphs_on(dev)
+    target.use_cuda_graphs(graphs)
     for op, name in plan["backends"].items():
         dk.set_backend(op, name)
     row["backends"] = _describe(plan, dev)
@@ -628,6 +643,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         return batch, loss
 
     row["shape_pass"] = TIMING["shape_pass"]
+    row["target_graphs"] = graphs
     for i in range(warmup + steps):
         if i == warmup:
             if TIMING["shape_pass"]:
@@ -675,7 +691,7 @@ def parse_groups(text: str) -> list:
     groups = [g.strip() for g in text.split(",") if g.strip()]
     for g in groups:
         if g not in GROUPS:
-            raise SystemExit(f"--groups: unknown group {g!r}; use a, b, b+, bg, c, e, g, gr, m and/or s")
+            raise SystemExit(f"--groups: unknown group {g!r}; use one of " + ", ".join(GROUPS))
     if "b+" in groups and "b" not in groups[:groups.index("b+")]:
         raise SystemExit("--groups: b+ compares each peer piece with (b) in the same run: put b before b+")
     return groups
@@ -716,7 +732,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
 
 
 CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "profile_sources",
-               "trace", "shape_pass", "flex_mask")
+               "trace", "shape_pass", "flex_mask", "target_graphs")
 
 
 def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
@@ -869,7 +885,7 @@ def env_info() -> dict:
 def main(argv=None):
     args = parse_args(argv)
     PROFILE.update(top=args.profile_top, trace=args.trace, sources=args.profile_sources)
-    TIMING.update(shape_pass=args.shape_pass == "on", flex_mask=args.flex_mask)
+    TIMING.update(shape_pass=args.shape_pass == "on", flex_mask=args.flex_mask, target_graphs=args.target_graphs)
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         # (a) on a CPU is the library's Triton kernels through the interpreter; the switch must be

@@ -20,6 +20,9 @@ import torch
 # buffer the launchers allocate is NaN-filled first, so an element a kernel fails to write fails a test.
 os.environ.setdefault("DFLASH_KERNELS_CACHE_DIR", tempfile.mkdtemp(prefix="dflash_kernels_test_cache_"))
 os.environ.setdefault("DFLASH_KERNELS_POISON", "1")
+# The tests time their own tuning: the results shipped with the package (runtime/tuned/) are not read
+# unless a test turns them on.
+os.environ.setdefault("DFLASH_KERNELS_PACKAGED_TUNING", "0")
 
 
 _TUNING = {"on": "1", "off": "0"}

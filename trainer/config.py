@@ -17,6 +17,7 @@ DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser
 
 LOSS_PATHS = ("fused", "logits", "chunked")  # TrainConfig.loss
 COMPUTE_WEIGHTS = ("autocast", "copies")  # TrainConfig.compute_weights
+TARGET_GRAPHS = ("auto", "on", "off")  # TrainConfig.target_cuda_graphs
 
 
 @dataclass
@@ -65,9 +66,11 @@ class TrainConfig:
     # optimizer step (trainer/compute_weights.py; single-process loop only; opt-in: on the H200 it removed
     # 2 ms of casts per real-preset step and was not faster overall, 2026-12-02).
     compute_weights: str = "autocast"
-    # The frozen target's feature forward replayed as CUDA graphs (Target.use_cuda_graphs; CUDA only;
-    # opt-in until timed on a GPU).
-    target_cuda_graphs: bool = False
+    # The frozen target's feature forward replayed as CUDA graphs (Target.use_cuda_graphs): "auto" = for a
+    # target on a CUDA device (never slower in four A/Bs on the H200, 2026-12-02: the host's launches of the
+    # target's many small kernels leave the step), "on" = required (refused off CUDA), "off" = eager.
+    # True / False (configs saved before "auto") read as "on" / "off".
+    target_cuda_graphs: str = "auto"
     seed: int = 0  # model init, data order and anchor sampling
     # --- runtime ---
     device: str = "auto"  # "auto" = cuda if available else cpu
@@ -85,10 +88,22 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)  # free-form notes saved with the config
 
     def __post_init__(self):
+        if isinstance(self.target_cuda_graphs, bool):
+            self.target_cuda_graphs = "on" if self.target_cuda_graphs else "off"
+        if self.target_cuda_graphs not in TARGET_GRAPHS:
+            raise ValueError(f"target_cuda_graphs: expected one of {TARGET_GRAPHS}, got {self.target_cuda_graphs!r}")
         if self.compute_weights not in COMPUTE_WEIGHTS:
             raise ValueError(f"compute_weights: expected one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
         if self.loss not in LOSS_PATHS:
             raise ValueError(f"loss: unknown {self.loss!r}; choose one of {list(LOSS_PATHS)}")
+
+    def target_graphs_on(self, device) -> bool:
+        """Whether the target on ``device`` (a ``torch.device`` or its string) replays its feature forward
+        as CUDA graphs: "on" always (``Target.use_cuda_graphs`` refuses a non-CUDA target by name), "auto"
+        on CUDA devices only, "off" never."""
+        if self.target_cuda_graphs == "auto":
+            return str(device).startswith("cuda")
+        return self.target_cuda_graphs == "on"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -395,7 +395,7 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overw
         for i, d in enumerate(tset):
             m = base.model if i == len(tset) - 1 else copy.deepcopy(base.model)
             R.targets[d] = Target(m.to(d), tok, base.layer_ids)
-            if cfg.target_cuda_graphs:
+            if cfg.target_graphs_on(d):
                 R.targets[d].use_cuda_graphs()
             log(f"target on {d}: loaded")
         for d in dict.fromkeys(R.ddevs):

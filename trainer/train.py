@@ -89,7 +89,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
                             log=log)
     log(f"config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
     target = load_target(cfg.target, cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype)
-    if cfg.target_cuda_graphs:
+    if cfg.target_graphs_on(target.device):
         target.use_cuda_graphs()
     tok = target.tokenizer
     mask_id = resolve_mask_token_id(tok, target.vocab_size, cfg.mask_token_id)

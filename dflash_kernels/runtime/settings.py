@@ -10,6 +10,8 @@ Environment variables (read at import, overridable from Python):
   none and take the first: a warm-up process run beside other GPU work, so that a later tuning run
   only times (nothing is persisted to the tuning store from it).
 - ``DFLASH_KERNELS_VERBOSE=1``: print each compile and tuning result.
+- ``DFLASH_KERNELS_PACKAGED_TUNING=0``: ignore the tuning results shipped with the package
+  (``dflash_kernels/runtime/tuned/``; :mod:`dflash_kernels.runtime.tuning`) and time every key here.
 - ``DFLASH_KERNELS_GDN_SAVE_STATES=1``, ``DFLASH_KERNELS_GDN_FWD_SPLIT=1``: the GDN forward's variants
   (:func:`gdn_save_states`, :func:`gdn_fwd_split`).
 """
@@ -64,6 +66,12 @@ def compile_candidates_only() -> bool:
 
 def verbose() -> bool:
     return _env_flag("DFLASH_KERNELS_VERBOSE")
+
+
+def packaged_tuning() -> bool:
+    """Whether the tuning results shipped with the package are read where the cache has none (default on;
+    ``DFLASH_KERNELS_PACKAGED_TUNING=0`` turns them off)."""
+    return os.environ.get("DFLASH_KERNELS_PACKAGED_TUNING", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 # Strict mode is process-wide on purpose: a trainer enters it once in the main thread after

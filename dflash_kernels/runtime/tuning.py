@@ -5,6 +5,12 @@ One file per (GPU model, Triton version) under the cache directory. Entries are 
 exclusive ``flock`` on a side lock file, re-read the file, merge, write a temporary file and
 ``os.replace`` it: concurrent processes never lose each other's entries and a reader never sees a
 half-written file.
+
+The package ships files of the same name and format in ``dflash_kernels/runtime/tuned/``: results timed
+on that GPU model (the shapes of the main job), read-only, consulted for a key the cache directory does
+not hold (``DFLASH_KERNELS_PACKAGED_TUNING=0`` ignores them). The cache's own entries win; an entry of an
+edited kernel carries the old source hash and is never found. ``python -m dflash_kernels.runtime.tuning
+ship FILE`` copies a cache file's entries of the current kernels into the package.
 """
 
 import json
@@ -22,17 +28,25 @@ try:
 except ImportError:  # pragma: no cover - not POSIX
     fcntl = None
 
-__all__ = ["KeyLocks", "TuningStore", "store", "tuning_lock"]
+__all__ = ["KeyLocks", "TuningStore", "store", "tuning_lock", "PACKAGED_DIR"]
+
+PACKAGED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
+
+
+def file_name(model: str) -> str:
+    return f"tuning-{model}-triton{triton.__version__}.json"
 
 
 class TuningStore:
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, packaged_dir: str = PACKAGED_DIR):
         self.directory = directory
+        self.packaged_dir = packaged_dir
         self._memory = {}  # path -> dict, loaded lazily
+        self._packaged = {}  # file name -> dict, loaded lazily
         self._lock = threading.Lock()
 
     def path(self, device: int) -> str:
-        return os.path.join(self.directory, f"tuning-{gpu_model(device)}-triton{triton.__version__}.json")
+        return os.path.join(self.directory, file_name(gpu_model(device)))
 
     def _load(self, path: str) -> dict:
         try:
@@ -43,12 +57,20 @@ class TuningStore:
             return {}
 
     def get(self, device: int, entry: str):
+        """The saved result of ``entry``: the cache directory's, else the package's (when enabled), else None."""
         path = self.path(device)
         with self._lock:
             table = self._memory.get(path)
             if table is None:
                 table = self._memory[path] = self._load(path)
-            return table.get(entry)
+            found = table.get(entry)
+            if found is None and settings.packaged_tuning():
+                name = os.path.basename(path)
+                shipped = self._packaged.get(name)
+                if shipped is None:
+                    shipped = self._packaged[name] = self._load(os.path.join(self.packaged_dir, name))
+                found = shipped.get(entry)
+            return found
 
     def put(self, device: int, entry: str, value: dict) -> None:
         path = self.path(device)
@@ -111,3 +133,50 @@ def tuning_lock(device: int) -> threading.Lock:
     """The lock every timing on ``device`` runs under: two candidates timed at once on one GPU would
     skew both."""
     return _tuning_locks(device)
+
+
+def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR) -> tuple:
+    """Merge ``cache_file``'s entries into the packaged file of the same name, keeping only entries whose
+    kernel source hash is that of a kernel in ``kernels`` (``{name: source hash}``; default: every kernel of
+    the ops now registered), and entries of other names (the implementation choices, versioned in their key). Returns ``(path, entries kept, entries dropped)``."""
+    if kernels is None:
+        kernels = current_kernel_hashes()
+    with open(cache_file) as f:
+        table = json.load(f)
+    kept, dropped = {}, 0
+    for entry, value in table.items():
+        name, _, rest = entry.partition("|")
+        digest = rest.partition("|")[0]
+        if name in kernels and kernels[name] != digest:
+            dropped += 1  # timed on an older source of this kernel
+            continue
+        kept[entry] = value
+    os.makedirs(packaged_dir, exist_ok=True)
+    path = os.path.join(packaged_dir, os.path.basename(cache_file))
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    old.update(kept)
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1, sort_keys=True)
+        f.write("\n")
+    return path, len(kept), dropped
+
+
+def current_kernel_hashes() -> dict:
+    """``{kernel name: source hash}`` of every :class:`~dflash_kernels.runtime.kernel.TritonKernel` the
+    package's ops define."""
+    import dflash_kernels  # noqa: F401 - imports every op, which defines its kernels
+    from dflash_kernels.runtime.kernel import all_kernels
+
+    return {k.name: k._source_hash for k in all_kernels()}
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "ship":
+        raise SystemExit("usage: python -m dflash_kernels.runtime.tuning ship CACHE_FILE")
+    where, n_kept, n_dropped = ship(sys.argv[2])
+    print(f"{where}: {n_kept} entries merged, {n_dropped} of edited kernels left out")

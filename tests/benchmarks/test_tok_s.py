@@ -192,13 +192,20 @@ def test_kernel_sources_on_a_real_cpu_profile():
 
     def make_contiguous():
         return x.contiguous()
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], **tok_s.profiler_options(True)) as prof:
         make_contiguous()
     copy = next(e for e in prof.events() if e.name == "aten::copy_")
     launch = type("Launch", (), {"name": "cudaLaunchKernel", "cpu_parent": copy})()
     op, shapes, caller = tok_s._caller(launch)
     assert op == "aten::contiguous" and shapes.startswith("[[32, 64]")
     assert caller.split(" < ")[0].endswith(": make_contiguous"), caller
+    # the op's own recorded stack names the caller too: the fallback where no Python events sit above it
+    contiguous = next(e for e in prof.events() if e.name == "aten::contiguous")
+    assert any(f.endswith(": make_contiguous") for f in contiguous.stack), contiguous.stack
+    bare = type("Op", (), {"name": "aten::contiguous", "cpu_parent": None, "input_shapes": [[32, 64]],
+                           "stack": contiguous.stack})()
+    assert tok_s._source(bare, "?")[2].split(" < ")[0].endswith(": make_contiguous")
+    assert tok_s.profiler_options(False) == {"record_shapes": False, "with_stack": False}
 
 
 def test_table_shows_the_gpu_idle_time_of_profiled_rows():
@@ -237,6 +244,7 @@ def test_isolated_groups_run_in_processes_of_their_own(tmp_path):
     a, c = recs["(a) dflash_kernels"], recs["(c) reference"]
     assert abs(a["loss_step1"] - c["loss_step1"]) < 1e-3 * abs(c["loss_step1"])  # same seed, model and batch
     assert c["a_over_this"] == pytest.approx(a["tok_s"] / c["tok_s"])
+    assert a["target_graphs"] is False and c["target_graphs"] is False  # "auto" on a CPU: the eager forward
 
 
 def test_a_child_that_dies_is_an_error_row(monkeypatch):
@@ -245,7 +253,8 @@ def test_a_child_that_dies_is_an_error_row(monkeypatch):
     cmds = []
     monkeypatch.setattr(tok_s.subprocess, "run",
                         lambda cmd, **k: cmds.append(cmd) or types.SimpleNamespace(returncode=-9))
-    args = tok_s.parse_args(["--groups", "a,b", "--device", "cpu", "--warmup", "0", "--trace", "tr"])
+    args = tok_s.parse_args(["--groups", "a,b", "--device", "cpu", "--warmup", "0", "--trace", "tr",
+                             "--target-graphs", "off"])
     logged = []
     rows = tok_s.run_preset_isolated("tiny", args, torch.device("cpu"), logged.append)
     assert [r["group"] for r in rows] == ["(a) dflash_kernels", "(b) peers"]
@@ -253,6 +262,7 @@ def test_a_child_that_dies_is_an_error_row(monkeypatch):
     assert [c[c.index("--child-group") + 1] for c in cmds] == ["a", "b"]
     assert cmds[0][cmds[0].index("--warmup") + 1] == "0"  # a zero is a value, passed on
     assert cmds[0][cmds[0].index("--trace") + 1] == os.path.abspath("tr")  # the children run in ROOT
+    assert cmds[1][cmds[1].index("--target-graphs") + 1] == "off"
 
 
 def test_run_groups_forms_b_plus_from_the_pieces_that_helped():
@@ -271,13 +281,17 @@ def test_run_groups_forms_b_plus_from_the_pieces_that_helped():
     assert tok_s.run_groups(["a", "c"], lambda g: None, print) == []  # a preset that skips itself: no rows
 
 
-def test_group_bg_is_b_with_the_target_graphs():
-    cuda = torch.device("cuda")
-    b, bg, g = tok_s.group_plan("b", cuda), tok_s.group_plan("bg", cuda), tok_s.group_plan("g", cuda)
-    assert bg["target_graphs"] is True and g["target_graphs"] is True and not b.get("target_graphs")
-    assert {k: v for k, v in bg.items() if k not in ("label", "target_graphs")} == {
-        k: v for k, v in b.items() if k != "label"}
-    assert "skip" in tok_s.group_plan("bg", torch.device("cpu"))
+def test_groups_n_and_bn_are_a_and_b_with_the_target_forward_eager():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for base, eager in (("a", "n"), ("b", "bn")):
+        p, e = tok_s.group_plan(base, cuda), tok_s.group_plan(eager, cuda)
+        assert e["target_graphs"] is False and "target_graphs" not in p  # (a), (b): the trainer's default
+        assert {k: v for k, v in e.items() if k not in ("label", "target_graphs")} == {
+            k: v for k, v in p.items() if k != "label"}
+    assert "skip" in tok_s.group_plan("bn", cpu) and "skip" not in tok_s.group_plan("n", cpu)
+    for gone in ("g", "bg"):  # the graphs are the default now: no group turns them on
+        with pytest.raises(SystemExit, match=f"unknown group '{gone}'"):
+            tok_s.parse_groups(f"a,{gone}")
 
 
 def test_plus_picks_the_b_plus_variants():
@@ -295,12 +309,12 @@ def test_plus_picks_the_b_plus_variants():
         tok_s.parse_args(["--plus", "cce,flce"])
 
 
-def test_group_gr_is_g_with_the_gdn_layer_route(monkeypatch):
+def test_group_gr_is_a_with_the_gdn_layer_route(monkeypatch):
     cuda = torch.device("cuda")
-    g, gr = tok_s.group_plan("g", cuda), tok_s.group_plan("gr", cuda)
-    assert gr["target_graphs"] and gr["gdn_layers"] and not g["gdn_layers"]
+    a, gr = tok_s.group_plan("a", cuda), tok_s.group_plan("gr", cuda)
+    assert gr["gdn_layers"] and not a.get("gdn_layers")
     assert {k: v for k, v in gr.items() if k not in ("label", "gdn_layers")} == {
-        k: v for k, v in g.items() if k not in ("label", "gdn_layers")}
+        k: v for k, v in a.items() if k != "label"}
     # run_group asks the integration for the route on (gr)'s target and undoes it after the row
     import dflash_kernels.integrations.transformers as integ
 

@@ -209,6 +209,55 @@ def test_cache_info_fields_and_reset():
     assert any(k.name == "causal_conv1d_fwd" for k in all_kernels())
 
 
+def test_packaged_tuning_is_read_where_the_cache_has_no_entry(tmp_path, monkeypatch):
+    cache, shipped = tmp_path / "cache", tmp_path / "shipped"
+    shipped.mkdir()
+    store = tuning.TuningStore(str(cache), packaged_dir=str(shipped))
+    name = os.path.basename(store.path(-1))
+    with open(shipped / name, "w") as f:
+        json.dump({"k|h|1": {"config": {"BT": 1}, "ms": 2.0}, "k|h|2": {"config": {"BT": 2}, "ms": 2.0}}, f)
+    monkeypatch.setenv("DFLASH_KERNELS_PACKAGED_TUNING", "1")
+    assert store.get(-1, "k|h|1") == {"config": {"BT": 1}, "ms": 2.0}
+    assert store.get(-1, "k|h|3") is None
+    store.put(-1, "k|h|2", {"config": {"BT": 8}, "ms": 1.0})  # timed here: the cache's own entry wins
+    assert store.get(-1, "k|h|2") == {"config": {"BT": 8}, "ms": 1.0}
+    assert json.load(open(shipped / name)) == {"k|h|1": {"config": {"BT": 1}, "ms": 2.0},
+                                               "k|h|2": {"config": {"BT": 2}, "ms": 2.0}}, "the package is read-only"
+    assert set(json.load(open(store.path(-1)))) == {"k|h|2"}, "a packaged entry is not copied into the cache"
+    monkeypatch.setenv("DFLASH_KERNELS_PACKAGED_TUNING", "0")
+    assert store.get(-1, "k|h|1") is None and store.get(-1, "k|h|2") == {"config": {"BT": 8}, "ms": 1.0}
+
+
+def test_ship_keeps_the_entries_of_the_current_kernels(tmp_path):
+    cache_file = tmp_path / "tuning-GPU_X-triton9.json"
+    entries = {"fwd|aaaa|(64,)": {"config": {"BT": 64}, "ms": 1.0},  # the current source of fwd
+               "fwd|0000|(64,)": {"config": {"BT": 16}, "ms": 1.0},  # an older source of fwd: left out
+               "impl_choice|v2|('fwd', 1)": {"impl": "triton", "ms": {}}}  # not a Triton kernel: kept
+    cache_file.write_text(json.dumps(entries))
+    shipped = tmp_path / "tuned"
+    path, kept, dropped = tuning.ship(str(cache_file), kernels={"fwd": "aaaa"}, packaged_dir=str(shipped))
+    assert (kept, dropped) == (2, 1) and os.path.basename(path) == cache_file.name
+    assert set(json.load(open(path))) == {"fwd|aaaa|(64,)", "impl_choice|v2|('fwd', 1)"}
+    cache_file.write_text(json.dumps({"fwd|aaaa|(128,)": {"config": {"BT": 32}, "ms": 1.0}}))
+    tuning.ship(str(cache_file), kernels={"fwd": "aaaa"}, packaged_dir=str(shipped))  # merges
+    assert len(json.load(open(path))) == 3
+
+
+def test_the_shipped_tuning_files_name_known_kernels_and_configs():
+    files = [f for f in os.listdir(tuning.PACKAGED_DIR) if f.endswith(".json")]
+    assert files, "no tuning file ships with the package"
+    kernels = tuning.current_kernel_hashes()
+    for f in files:
+        assert f.startswith("tuning-") and "-triton" in f, f
+        table = json.load(open(os.path.join(tuning.PACKAGED_DIR, f)))
+        assert table, f
+        for entry, value in table.items():
+            name = entry.split("|")[0]
+            assert name in kernels, (f, entry)
+            config = value["config"]
+            assert isinstance(config, dict) and "num_warps" in config and value["ms"] > 0, (f, entry)
+
+
 @pytest.mark.gpu
 def test_gpu_tuning_persisted_second_process_does_not_tune(tmp_path):
     code = ("import torch, dflash_kernels as dk\n"

@@ -1,6 +1,7 @@
 """``Target.use_cuda_graphs``: the frozen target's feature forward replayed as CUDA graphs gives the eager
 features bit for bit (any ids of the captured shape, another shape, threads on their own streams), and a
-trainer run with ``--target-cuda-graphs`` the same losses; on a CPU the option is refused by name."""
+trainer run with ``--target-cuda-graphs on`` the same losses; on a CPU "on" is refused by name and the
+default, "auto", runs eagerly."""
 
 import threading
 
@@ -24,9 +25,31 @@ def test_train_refuses_the_option_on_the_cpu(tmp_path, tiny_qwen35_dir, counting
     from trainer.train import train
 
     cfg = preset("tiny", target=tiny_qwen35_dir, data=counting_data, out_dir=str(tmp_path / "run"), steps=1,
-                 device="cpu", target_cuda_graphs=True)
+                 device="cpu", target_cuda_graphs="on")
     with pytest.raises(ValueError, match="target_cuda_graphs"):
         train(cfg, log=lambda s: None)
+
+
+def test_the_config_default_is_auto_graphs_on_cuda_only():
+    import argparse
+
+    from trainer.config import TrainConfig, add_cli_args, from_cli
+
+    cfg = preset("tiny")
+    assert cfg.target_cuda_graphs == "auto"
+    assert cfg.target_graphs_on("cuda") and cfg.target_graphs_on(torch.device("cuda", 1))
+    assert not cfg.target_graphs_on("cpu") and not cfg.target_graphs_on(torch.device("cpu"))
+    on, off = preset("tiny", target_cuda_graphs="on"), preset("tiny", target_cuda_graphs="off")
+    assert on.target_graphs_on("cpu") and not off.target_graphs_on("cuda:0")  # "on" on a CPU: Target refuses it
+    # True / False, as configs saved before "auto" hold them
+    assert preset("tiny", target_cuda_graphs=True).target_cuda_graphs == "on"
+    assert TrainConfig.from_dict({**cfg.to_dict(), "target_cuda_graphs": False}).target_cuda_graphs == "off"
+    with pytest.raises(ValueError, match="target_cuda_graphs: expected one of .*'maybe'"):
+        preset("tiny", target_cuda_graphs="maybe")
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    assert from_cli(parser.parse_args(["--target-cuda-graphs", "off"])).target_cuda_graphs == "off"
+    assert from_cli(parser.parse_args([])).target_cuda_graphs == "auto"
 
 
 @pytest.mark.gpu
@@ -83,7 +106,7 @@ def test_training_with_graphs_gives_the_same_losses(tmp_path, tiny_qwen35_dir, c
     for flag in (False, True):
         out = tmp_path / f"run{int(flag)}"
         cfg = preset("tiny", target=tiny_qwen35_dir, data=counting_data, out_dir=str(out), steps=6, device="cuda",
-                     target_cuda_graphs=flag)
+                     target_cuda_graphs="on" if flag else "off")
         train(cfg, log=lambda s: None)
         with open(out / "metrics.jsonl") as f:
             losses[flag] = [json.loads(line)["loss"] for line in f if "loss" in json.loads(line)]
