@@ -339,9 +339,9 @@ class TritonKernel:
             return self.configs[0]
         store = tuning.store()
         name = self._persist_name(key)
-        saved = store.get(dev, name)
+        saved, source = store.lookup(dev, name)
         if saved is not None:
-            entry.tuned_from = "disk"
+            entry.tuned_from = source  # "disk" (this cache) or "packaged" (shipped with the package)
             return Config.from_dict(saved["config"])
         with tuning.tuning_lock(dev):
             t0 = time.perf_counter()

@@ -38,9 +38,9 @@ def file_name(model: str) -> str:
 
 
 class TuningStore:
-    def __init__(self, directory: str, packaged_dir: str = PACKAGED_DIR):
+    def __init__(self, directory: str, packaged_dir: str = None):
         self.directory = directory
-        self.packaged_dir = packaged_dir
+        self.packaged_dir = PACKAGED_DIR if packaged_dir is None else packaged_dir
         self._memory = {}  # path -> dict, loaded lazily
         self._packaged = {}  # file name -> dict, loaded lazily
         self._lock = threading.Lock()
@@ -58,19 +58,27 @@ class TuningStore:
 
     def get(self, device: int, entry: str):
         """The saved result of ``entry``: the cache directory's, else the package's (when enabled), else None."""
+        return self.lookup(device, entry)[0]
+
+    def lookup(self, device: int, entry: str) -> tuple:
+        """``(saved result, "disk" or "packaged")`` of ``entry``, or ``(None, None)``."""
         path = self.path(device)
         with self._lock:
             table = self._memory.get(path)
             if table is None:
                 table = self._memory[path] = self._load(path)
             found = table.get(entry)
-            if found is None and settings.packaged_tuning():
+            if found is not None:
+                return found, "disk"
+            if settings.packaged_tuning():
                 name = os.path.basename(path)
                 shipped = self._packaged.get(name)
                 if shipped is None:
                     shipped = self._packaged[name] = self._load(os.path.join(self.packaged_dir, name))
                 found = shipped.get(entry)
-            return found
+                if found is not None:
+                    return found, "packaged"
+            return None, None
 
     def put(self, device: int, entry: str, value: dict) -> None:
         path = self.path(device)

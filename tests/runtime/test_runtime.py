@@ -217,10 +217,10 @@ def test_packaged_tuning_is_read_where_the_cache_has_no_entry(tmp_path, monkeypa
     with open(shipped / name, "w") as f:
         json.dump({"k|h|1": {"config": {"BT": 1}, "ms": 2.0}, "k|h|2": {"config": {"BT": 2}, "ms": 2.0}}, f)
     monkeypatch.setenv("DFLASH_KERNELS_PACKAGED_TUNING", "1")
-    assert store.get(-1, "k|h|1") == {"config": {"BT": 1}, "ms": 2.0}
-    assert store.get(-1, "k|h|3") is None
+    assert store.lookup(-1, "k|h|1") == ({"config": {"BT": 1}, "ms": 2.0}, "packaged")
+    assert store.get(-1, "k|h|3") is None and store.lookup(-1, "k|h|3") == (None, None)
     store.put(-1, "k|h|2", {"config": {"BT": 8}, "ms": 1.0})  # timed here: the cache's own entry wins
-    assert store.get(-1, "k|h|2") == {"config": {"BT": 8}, "ms": 1.0}
+    assert store.lookup(-1, "k|h|2") == ({"config": {"BT": 8}, "ms": 1.0}, "disk")
     assert json.load(open(shipped / name)) == {"k|h|1": {"config": {"BT": 1}, "ms": 2.0},
                                                "k|h|2": {"config": {"BT": 2}, "ms": 2.0}}, "the package is read-only"
     assert set(json.load(open(store.path(-1)))) == {"k|h|2"}, "a packaged entry is not copied into the cache"
@@ -256,6 +256,29 @@ def test_the_shipped_tuning_files_name_known_kernels_and_configs():
             assert name in kernels, (f, entry)
             config = value["config"]
             assert isinstance(config, dict) and "num_warps" in config and value["ms"] > 0, (f, entry)
+
+
+@pytest.mark.gpu
+def test_gpu_packaged_tuning_is_used_and_reported(tmp_path, monkeypatch):
+    """A key timed into one cache, shipped as the package's file, is found there by a process with an empty
+    cache: nothing is timed and cache_info says "packaged"."""
+    import dflash_kernels as dk
+
+    x, w = torch.randn(2, 384, 777, device="cuda"), torch.randn(384, 4, device="cuda")
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    monkeypatch.setenv("DFLASH_KERNELS_BACKEND", "conv1d=triton")
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path / "timed"))
+    dk.reset_cache()
+    dk.causal_conv1d(x, w)
+    assert {v["tuned_from"] for v in dk.cache_info().values()} == {"timed"}
+    monkeypatch.setattr(tuning, "PACKAGED_DIR", str(tmp_path / "timed"))  # that cache as the shipped files
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("DFLASH_KERNELS_PACKAGED_TUNING", "1")
+    dk.reset_cache()
+    dk.causal_conv1d(x, w)
+    assert {v["tuned_from"] for v in dk.cache_info().values()} == {"packaged"}
+    assert not os.path.exists(tmp_path / "empty") or not os.listdir(tmp_path / "empty"), "nothing timed here"
+    dk.reset_cache()
 
 
 @pytest.mark.gpu
