@@ -21,10 +21,13 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   change A/B'd against (a) (``--groups a,m``; not in the default); (n) (a) and (bn) (b) with the frozen
   target's feature forward run eagerly: every group follows the trainer's default
   (``TrainConfig.target_cuda_graphs="auto"``: the forward replayed as CUDA graphs on a GPU; trainer code,
-  which every group shares), and these rows are its A/B (``--groups a,n`` / ``b,bn``); (gr) (a) with
-  ``use_dflash_kernels(..., gdn_layers=True)`` (q and k reach the delta
-  rule at their own head count instead of transformers 5.17's copies to the value heads: 1.2 ms of device
-  time per target forward; its host cost, which kept it opt-in, should not count under the graphs); (s)
+  which every group shares), and these rows are its A/B (``--groups a,n`` / ``b,bn``); where the target
+  runs as graphs, (a) also routes its GDN layers with ``use_dflash_kernels(..., gdn_layers=True)`` (q and
+  k reach the delta rule at their own head count instead of transformers 5.17's copies to the value heads:
+  1.1 ms of device time per step at the ``real`` preset; the trainer does the same), and (r) is (a)
+  without that route; likewise every group runs the drafter's forward, backward, clip and AdamW step as
+  CUDA graphs (``TrainConfig.step_cuda_graphs="auto"``, ``trainer/step_graph.py``; ``--step-graphs``
+  sets it), and (w) (a) and (bw) (b) are the rows with the eager step, its A/B; (s)
   (a) with the split GDN forward (``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan, then
   the output over all chunks at once; ``--groups a,s``);
 - (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
@@ -91,7 +94,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "bn", "c", "e", "gr", "m", "n", "s")
+GROUPS = ("a", "b", "b+", "bn", "bw", "c", "e", "m", "n", "r", "s", "w")
 
 
 def parse_args(argv=None):
@@ -103,8 +106,9 @@ def parse_args(argv=None):
     p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
                    "norm/RoPE/SwiGLU chains), n ((a) with the target's forward eager, not as CUDA graphs), bn ((b) "
-                   "likewise), gr ((a) with the GDN layer route), m ((a) with bf16 weight copies), s ((a) with the "
-                   "split GDN forward); only a, b, c are in the default")
+                   "likewise), r ((a) without the GDN layer route), m ((a) with bf16 weight copies), s ((a) with the "
+                   "split GDN forward), w ((a) with the drafter's step eager, not as CUDA graphs), bw ((b) likewise); only a, "
+                   "b, c are in the default")
     p.add_argument("--plus", default="", help="the (b+) variants to run alone, comma-separated (default all: "
                    "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
@@ -118,6 +122,9 @@ def parse_args(argv=None):
     p.add_argument("--target-graphs", choices=["auto", "on", "off"], default="auto",
                    help="the target's forward as CUDA graphs in every group that does not set it ((n), (bn) run it "
                         "eagerly): the trainer's --target-cuda-graphs, default auto (on a GPU)")
+    p.add_argument("--step-graphs", choices=["auto", "on", "off"], default=None,
+                   help="the drafter's step (forward, backward, clip, AdamW) as CUDA graphs in every group that does "
+                        "not set it ((w), (bw) do): the trainer's --step-cuda-graphs (default: its default)")
     p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
     p.add_argument("--batch-size", type=int, default=None, help="override the preset's sequences per step")
     p.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
@@ -262,7 +269,9 @@ SETUPS = {"tiny": setup_tiny, "real": setup_real, "embedded": setup_embedded}
 def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
-    if group in ("a", "e", "gr", "m", "n", "s"):
+    if group == "w" and cpu:
+        return {"label": "(w) (a) with the drafter's step eager", "skip": "the A/B of the step's CUDA graphs: a GPU only"}
+    if group in ("a", "e", "m", "n", "r", "s", "w"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "fused", "elementwise": True}
@@ -274,14 +283,17 @@ def group_plan(group: str, dev) -> dict:
             plan.update(label="(s) (a) with the split GDN forward", env={"DFLASH_KERNELS_GDN_FWD_SPLIT": "1"})
         if group == "n":
             plan.update(label="(n) (a) with the target's forward eager (no CUDA graphs)", target_graphs=False)
-        if group == "gr":
-            plan.update(label="(gr) (a) with the GDN layer route (q, k at their own heads)", gdn_layers=True)
+        if group == "r":
+            plan.update(label="(r) (a) without the GDN layer route (q, k copied to the value heads)", gdn_layers=False)
+        if group == "w":
+            plan.update(label="(w) (a) with the drafter's step eager (no CUDA graphs)", step_graphs=False)
         return plan
     if group == "c":
         return {"label": "(c) reference", "backends": {op: "reference" for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "foreach"}
     if cpu:
-        return {"label": "(bn) (b) with the target's forward eager" if group == "bn" else "(b) peers",
+        return {"label": {"bn": "(bn) (b) with the target's forward eager",
+                          "bw": "(bw) (b) with the drafter's step eager"}.get(group, "(b) peers"),
                 "skip": "peers run on CUDA only (fla and causal-conv1d are GPU kernels; "
                 "flex is measured on the GPU)"}
     back, missing = peer_backends()
@@ -289,6 +301,8 @@ def group_plan(group: str, dev) -> dict:
             "loss": "logits", "adamw": "foreach"}
     if group == "bn":  # the trainer's CUDA-graph default is trainer code, which every group shares
         plan.update(label="(bn) (b) with the target's forward eager (no CUDA graphs)", target_graphs=False)
+    if group == "bw":
+        plan.update(label="(bw) (b) with the drafter's step eager (no CUDA graphs)", step_graphs=False)
     if group.startswith("b+"):  # b+<loss>[+liger-ew]: (b) with a peer's fused loss and/or Liger's elementwise ops
         parts = group[2:].split("+")
         loss = parts[0] if parts[0] in PLUS_LOSSES else None
@@ -378,7 +392,7 @@ def kernel_ms(events, n: int) -> dict:
 
 
 PROFILE = {"top": 15, "trace": "", "sources": 0.0}  # --profile-top, --trace, --profile-sources
-TIMING = {"shape_pass": True, "flex_mask": "compiled", "target_graphs": "auto"}  # --shape-pass, --flex-mask, ...
+TIMING = {"shape_pass": True, "flex_mask": "compiled", "target_graphs": "auto", "step_graphs": None}  # --shape-pass, --flex-mask, ...
 
 SOURCE_CATEGORIES = ("copies/casts", "norm/rope/activation")  # torch's own kernels are traced to their callers
 
@@ -534,16 +548,22 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
     fused = bool(plan.get("elementwise")) and dev.type == "cuda"
     before = drafter_model.FUSED_OPS
     drafter_model.FUSED_OPS = fused
-    routing = (use_dflash_kernels(setup.target.model, elementwise=True, gdn_layers=plan.get("gdn_layers", False))
-               if fused else None)
+    gdn_layers = plan.get("gdn_layers")
+    if gdn_layers is None and fused:  # the trainer's rule: the layer route where the target runs as graphs
+        gdn_layers = _target_graphs(plan, setup.cfg, dev)
+    routing = use_dflash_kernels(setup.target.model, elementwise=True, gdn_layers=gdn_layers) if fused else None
     env = plan.get("env", {})  # the row's library settings (read at each call), restored after it
     env_before = {k: os.environ.get(k) for k in env}
     backends_before = {op: dk.get_backend(op) for op in plan.get("backends", {})}
     os.environ.update(env)
     try:
         if plan.get("peer_loss") or plan.get("liger_elementwise"):
-            return _run_plus_group(plan, *args)
-        return _run_group(*args)
+            row = _run_plus_group(plan, *args)
+        else:
+            row = _run_group(*args)
+        if routing is not None:
+            row["gdn_layers"] = gdn_layers
+        return row
     finally:
         for k, v in env_before.items():
             if v is None:
@@ -555,6 +575,15 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
         drafter_model.FUSED_OPS = before
         for op, name in backends_before.items():
             dk.set_backend(op, name)
+
+
+def _target_graphs(plan, cfg, dev) -> bool:
+    """Whether the row's target forward runs as CUDA graphs: the plan's setting, else the trainer's rule
+    (default "auto": on a GPU) as --target-graphs sets it."""
+    graphs = plan.get("target_graphs")
+    if graphs is None:
+        graphs = dataclasses.replace(cfg, target_cuda_graphs=TIMING["target_graphs"]).target_graphs_on(dev)
+    return graphs
 
 
 def _run_plus_group(plan, setup, *args):
@@ -592,7 +621,8 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     from trainer.target import resolve_mask_token_id
     from trainer.common import build_drafter, lr_lambda
     from trainer.flops import mfu, step_flops
-    from trainer.step import clip_and_step, forward_loss
+    from trainer.step import drafter_loss, target_features
+    from trainer.step_graph import DrafterStep
 
     cfg, target = setup.cfg, setup.target
     plan = group_plan(group, dev)
@@ -602,9 +632,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
         return row
     if group == "c":
         steps = min(steps, reference_steps)
-    graphs = plan.get("target_graphs")
-    if graphs is None:  # the trainer's rule (default "auto": on a GPU), as --target-graphs sets it
-        graphs = dataclasses.replace(cfg, target_cuda_graphs=TIMING["target_graphs"]).target_graphs_on(dev)
+    graphs = _target_graphs(plan, cfg, dev)
     target.use_cuda_graphs(graphs)
     for op, name in plan["backends"].items():
         dk.set_backend(op, name)
@@ -629,17 +657,29 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     row["adamw"] = ("copies" if not isinstance(opt, torch.optim.AdamW) else
                     "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "default")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup + steps, cfg.warmup_ratio, cfg.min_lr_ratio))
+    step_graphs = plan.get("step_graphs")
+    if step_graphs is None:  # the trainer's rule, as --step-graphs sets it
+        step_graphs = (cfg if TIMING["step_graphs"] is None else dataclasses.replace(
+            cfg, step_cuda_graphs=TIMING["step_graphs"])).step_graphs_on(dev)
+    # the trainer's drafter step (trainer.train's loop): eager, or as CUDA graphs per batch shape (the
+    # first step of a shape eager, the second captured and replayed)
+    dstep = DrafterStep(drafter, target, opt, cfg, dev, dtype, graphs=step_graphs)
+    row["step_graphs"] = dstep.graphs
     drafter.train()
     tokens, timed, t_timed = 0, [], None
 
     def train_step(i, update=True):  # update=False: the shape pass (its shapes compiled and tuned, no step)
         batch = batch_at(setup.dataset, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed)
-        loss, _ = forward_loss(batch, target, drafter, cfg, dev, dtype)
-        loss.backward()
-        if update:
-            clip_and_step(opt, drafter.parameters(), cfg.grad_clip)
-            sched.step()
-        opt.zero_grad(set_to_none=True)
+        if not update:
+            feats = target_features(target, batch, dev)
+            if dstep.is_captured(batch, feats):  # its graph replays it: nothing left to compile or tune
+                return batch, None
+            loss, _ = drafter_loss(batch, feats, target, drafter, cfg, dev, dtype)
+            loss.backward()
+            opt.zero_grad(set_to_none=True)
+            return batch, loss
+        loss, _, _ = dstep(batch, target_features(target, batch, dev))
+        sched.step()
         return batch, loss
 
     row["shape_pass"] = TIMING["shape_pass"]
@@ -670,6 +710,10 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     row.update(steps=steps, tokens_per_step=tokens // max(steps, 1), tok_s=tokens / elapsed,
                ms_step=elapsed / steps * 1e3, model_TFLOP_step=flops / steps / 1e12, mfu=mfu(flops, elapsed))
     row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")
+    # what the process holds: a CUDA graph's pool stays reserved between replays, which allocate nothing
+    # (the graphs' peak_GiB counts only what a replay's copies allocate)
+    row["reserved_GiB"] = torch.cuda.max_memory_reserved(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")
+    row["graphs_captured"] = dstep.info()["captured"]
     row["mask_ms"] = flex.mask_s / steps * 1e3 if flex is not None else float("nan")
     if profile > 0:
         first = warmup + steps
@@ -732,7 +776,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
 
 
 CHILD_FLAGS = ("steps", "warmup", "reference_steps", "batch_size", "profile", "profile_top", "profile_sources",
-               "trace", "shape_pass", "flex_mask", "target_graphs")
+               "trace", "shape_pass", "flex_mask", "target_graphs", "step_graphs")
 
 
 def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
@@ -842,6 +886,7 @@ def mark_b_plus_best(rows) -> dict:
 COLUMNS = [("preset", "preset", "{}"), ("group", "group", "{}"), ("tok_s", "tokens/s", "{:,.0f}"),
            ("ms_step", "ms/step", "{:.1f}"), ("model_TFLOP_step", "TFLOP/step", "{:.2f}"),
            ("mfu", "MFU", "{:.1%}"), ("peak_GiB", "peak GiB", "{:.2f}"),
+           ("reserved_GiB", "reserved GiB", "{:.2f}"),
            ("first_step_s", "1st step s", "{:.1f}"), ("mask_ms", "mask ms", "{:.1f}"),
            ("device_idle_ms", "GPU idle ms", "{:.1f}"),
            ("loss_step1", "loss@1", "{:.4f}"), ("a_over_this", "a / this", "{:.2f}x"), ("backends", "backends", "{}")]
@@ -885,7 +930,8 @@ def env_info() -> dict:
 def main(argv=None):
     args = parse_args(argv)
     PROFILE.update(top=args.profile_top, trace=args.trace, sources=args.profile_sources)
-    TIMING.update(shape_pass=args.shape_pass == "on", flex_mask=args.flex_mask, target_graphs=args.target_graphs)
+    TIMING.update(shape_pass=args.shape_pass == "on", flex_mask=args.flex_mask, target_graphs=args.target_graphs,
+                  step_graphs=args.step_graphs)
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         # (a) on a CPU is the library's Triton kernels through the interpreter; the switch must be

@@ -67,12 +67,28 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+def _host_lr(state: dict) -> dict:
+    """An optimizer's or scheduler's state dict with learning rates held as device tensors (the drafter's
+    step as CUDA graphs, ``trainer.step_graph``) as floats: the checkpoint reads the same whichever way
+    the run stepped (a new dict; the live optimizer keeps its tensors)."""
+    def host(v):
+        return float(v) if isinstance(v, torch.Tensor) else v
+
+    state = dict(state)
+    if "param_groups" in state:
+        state["param_groups"] = [{**g, "lr": host(g["lr"])} if "lr" in g else g for g in state["param_groups"]]
+    if "_last_lr" in state:
+        state["_last_lr"] = [host(v) for v in state["_last_lr"]]
+    return state
+
+
 def save_checkpoint(path: str, *, model, optimizer, scheduler, step: int, config: dict, extra=None) -> None:
     """Write ``{model, optimizer, scheduler, step, config, rng, extra}`` to ``path`` atomically."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "step": step, "config": config, "rng": rng_state(), "extra": extra or {}}
+    ckpt = {"model": model.state_dict(), "optimizer": _host_lr(optimizer.state_dict()),
+            "scheduler": _host_lr(scheduler.state_dict()), "step": step, "config": config, "rng": rng_state(),
+            "extra": extra or {}}
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

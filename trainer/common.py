@@ -68,6 +68,16 @@ def lr_lambda(total: int, warmup_ratio: float, min_ratio: float):
     return f
 
 
+def current_lr(sched) -> float:
+    """The first group's learning rate as a float, read without the device: a group whose lr is a device
+    tensor (the drafter's step as CUDA graphs) gives the schedule's own value, ``base_lr * lambda(epoch)``
+    (what ``LambdaLR`` filled in), not a read-back of the tensor."""
+    lr = sched.optimizer.param_groups[0]["lr"]
+    if not isinstance(lr, torch.Tensor):
+        return lr
+    return float(sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch))
+
+
 def peak_mem_gib(dev) -> float:
     """Peak memory so far: the device's allocator on a GPU, the process's max RSS on the CPU."""
     if dev.type == "cuda":

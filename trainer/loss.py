@@ -64,10 +64,18 @@ def predicted_positions(hidden: torch.Tensor, labels: torch.Tensor, counted: tor
     return h, labels[:, :, 1:], counted[:, :, 1:]
 
 
+_WEIGHTS = {}  # (p, gamma, first, device) -> the weights on that device
+
+
 def _weights(labels: torch.Tensor, gamma: float, first: int, device) -> torch.Tensor:
-    """``[p]`` position weights of block positions ``first .. first + p - 1`` (``p = labels.shape[-1]``)."""
-    p = labels.shape[-1]
-    return position_weights(p + first, gamma)[first:].to(device)
+    """``[p]`` position weights of block positions ``first .. first + p - 1`` (``p = labels.shape[-1]``),
+    made once per device: a copy from the host each step would be a host-to-device transfer inside the
+    step (not allowed while a CUDA graph records it, ``trainer.step_graph``)."""
+    key = (labels.shape[-1], float(gamma), first, torch.device(device))
+    w = _WEIGHTS.get(key)
+    if w is None:
+        w = _WEIGHTS[key] = position_weights(key[0] + first, gamma)[first:].to(device)
+    return w
 
 
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, counted: torch.Tensor, gamma: float, first: int = 0):
@@ -107,6 +115,13 @@ class StepStats(Mapping):
         self._hits = hit.sum()
         self._per_pos = hit.sum((0, 1)).float() / counted.sum((0, 1)).clamp_min(1).float()
         self._host = None
+
+    def clone(self) -> "StepStats":
+        """A copy holding copies of the device tensors (a CUDA graph's outputs are overwritten by its next
+        replay); nothing is read back."""
+        out = StepStats.__new__(StepStats)
+        out._n, out._hits, out._per_pos, out._host = self._n.clone(), self._hits.clone(), self._per_pos.clone(), None
+        return out
 
     def _values(self) -> dict:
         if self._host is None:

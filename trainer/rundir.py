@@ -33,6 +33,7 @@ DRAFTER_DIR = "drafter"
 RESUME_MAY_CHANGE = frozenset({
     "out_dir", "cache_dir", "log_interval", "save_interval", "steps", "epochs", "device", "target_gpus",
     "drafter_gpus", "queue_depth", "watchdog_s", "watchdog_setup_s", "stop_grace_s", "extra", "target_cuda_graphs",
+    "step_cuda_graphs",
 })
 
 

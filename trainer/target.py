@@ -206,13 +206,15 @@ class Target:
 
 
 def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch.float32,
-                use_kernels: bool = True, elementwise=None) -> Target:
+                use_kernels: bool = True, elementwise=None, gdn_layers: bool = False) -> Target:
     """Load a local HF causal-LM folder (no hub access) and its tokenizer, frozen, on ``device``.
 
     With ``use_kernels`` a hybrid target's Gated DeltaNet and short-conv layers run on dflash_kernels
     (``dflash_kernels.integrations.transformers``); dense targets have none and run unchanged.
     ``elementwise`` (default: on a CUDA device) also routes its norms, SiLU MLPs and RoPE to the fused
     ops (``use_dflash_kernels(..., elementwise=True)``: process-wide, as transformers' functions are).
+    ``gdn_layers`` routes the GDN layers' forward too (q and k at their own head count; the trainer sets it
+    where the target's forward runs as CUDA graphs, which take its extra host work out of the step).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -226,7 +228,7 @@ def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch
         from dflash_kernels.integrations.transformers import use_dflash_kernels
         try:
             use_dflash_kernels(model, elementwise=torch.device(device).type == "cuda" if elementwise is None
-                               else elementwise)
+                               else elementwise, gdn_layers=gdn_layers)
         except ValueError:
             pass  # no linear-attention layers (a dense target): nothing to route
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import dflash_kernels as dk  # noqa: E402
 from trainer.checkpoint import (CHECKPOINT_NAME, CheckpointError, read_checkpoint, restore,  # noqa: E402
                                 save_checkpoint)
-from trainer.common import (build_drafter, lr_lambda, resolve_device, resolve_paths,  # noqa: E402
+from trainer.common import (build_drafter, current_lr, lr_lambda, resolve_device, resolve_paths,  # noqa: E402
                             step_log_line)
 from trainer.compute_weights import make_optimizer  # noqa: E402
 from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
@@ -51,7 +51,8 @@ from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
 from trainer.loss import expected_accept_length  # noqa: E402
 from trainer.rundir import (DRAFTER_DIR, ConfigChanged, RunDirError, check_resume_config,  # noqa: E402
                             open_metrics, prepare_run_dir)
-from trainer.step import attention_precompile_specs, clip_and_step, forward_loss  # noqa: E402
+from trainer.step import attention_precompile_specs, forward_loss, target_features  # noqa: E402
+from trainer.step_graph import DrafterStep  # noqa: E402
 from trainer.supervise import StopRequest, fault_point, get_log, install_signal_handlers  # noqa: E402
 from trainer.target import load_target, resolve_mask_token_id  # noqa: E402
 
@@ -88,7 +89,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         check_resume_config(saved["config"], cfg.to_dict(), allow_change=allow_config_change, path=resume_from,
                             log=log)
     log(f"config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
-    target = load_target(cfg.target, cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype)
+    target = load_target(cfg.target, cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype,
+                         gdn_layers=cfg.target_graphs_on(dev))
     if cfg.target_graphs_on(target.device):
         target.use_cuda_graphs()
     tok = target.tokenizer
@@ -114,6 +116,11 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     log(f"drafter: {n_params / 1e6:.2f}M trainable parameters, {cfg.num_layers} layers; {len(ds)} sequences, "
         f"{total} steps on {dev} ({dtype})")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    # the drafter's half of each step (after the scheduler exists: it keeps the float base lr)
+    dstep = DrafterStep(drafter, target, opt, cfg, dev, dtype, graphs=cfg.step_graphs_on(dev))
+    if dstep.graphs:
+        log("step: the drafter's forward, backward and optimizer step as CUDA graphs (one per batch shape, "
+            "captured at its second step)")
     if dev.type == "cuda":
         _precompile(cfg, drafter, dev, dtype, log)
         # The target's own kernels (Gated DeltaNet, conv of a hybrid) are compiled by one real
@@ -166,14 +173,11 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         while step < total:
             batch = batch_at(ds, step, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed, pad_id)
             fault_point("drafter", 0, step)
-            loss, st = forward_loss(batch, target, drafter, cfg, dev, dtype)
-            loss.backward()
-            gnorm = clip_and_step(opt, drafter.parameters(), cfg.grad_clip)
+            loss, st, gnorm = dstep(batch, target_features(target, batch, dev))
             sched.step()
-            opt.zero_grad(set_to_none=True)
             step += 1
-            pending.append(({"step": step, "lr": sched.get_last_lr()[0], "tokens": int(batch["lengths"].sum()),
-                             "epoch": batch["epoch"]}, loss.detach(), st, gnorm.detach()))
+            pending.append(({"step": step, "lr": current_lr(sched), "tokens": int(batch["lengths"].sum()),
+                             "epoch": batch["epoch"]}, loss, st, gnorm))
             if tty:
                 done = int(30 * step / total)
                 print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}", end="", file=sys.stderr, flush=True)

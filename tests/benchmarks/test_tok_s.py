@@ -309,14 +309,16 @@ def test_plus_picks_the_b_plus_variants():
         tok_s.parse_args(["--plus", "cce,flce"])
 
 
-def test_group_gr_is_a_with_the_gdn_layer_route(monkeypatch):
+def test_the_gdn_layer_route_follows_the_target_graphs(monkeypatch):
+    """(a) routes the GDN layers where its target runs as CUDA graphs (the trainer's rule), not where it runs
+    eagerly ((n)); (r) is (a) without the route; run_group undoes the routing after each row."""
     cuda = torch.device("cuda")
-    a, gr = tok_s.group_plan("a", cuda), tok_s.group_plan("gr", cuda)
-    assert gr["gdn_layers"] and not a.get("gdn_layers")
-    assert {k: v for k, v in gr.items() if k not in ("label", "gdn_layers")} == {
+    a, r = tok_s.group_plan("a", cuda), tok_s.group_plan("r", cuda)
+    assert r["gdn_layers"] is False and a.get("gdn_layers") is None
+    assert {k: v for k, v in r.items() if k not in ("label", "gdn_layers")} == {
         k: v for k, v in a.items() if k != "label"}
-    # run_group asks the integration for the route on (gr)'s target and undoes it after the row
     import dflash_kernels.integrations.transformers as integ
+    from trainer.config import preset
 
     calls, undone = [], []
 
@@ -326,9 +328,21 @@ def test_group_gr_is_a_with_the_gdn_layer_route(monkeypatch):
 
     monkeypatch.setattr(integ, "use_dflash_kernels", lambda model, **kw: calls.append(kw) or Routing())
     monkeypatch.setattr(tok_s, "_run_group", lambda *a, **k: {"group": "x"})
-    setup = tok_s.Setup("tiny", None, type("T", (), {"model": None})(), None, "")
-    tok_s.run_group(setup, "gr", 1, 0, cuda, torch.bfloat16)
-    assert calls == [{"elementwise": True, "gdn_layers": True}] and undone == [1]
+    setup = tok_s.Setup("tiny", preset("tiny"), type("T", (), {"model": None})(), None, "")
+    rows = [tok_s.run_group(setup, g, 1, 0, cuda, torch.bfloat16) for g in ("a", "n", "r")]
+    assert [c["gdn_layers"] for c in calls] == [True, False, False] and undone == [1, 1, 1]
+    assert [row["gdn_layers"] for row in rows] == [True, False, False]
+    assert all(c["elementwise"] for c in calls)
+
+
+def test_groups_w_and_bw_step_eagerly():
+    cuda = torch.device("cuda")
+    """(a) and (b) follow the trainer's default (graphs where it says so); (w) and (bw) step eagerly."""
+    assert tok_s.group_plan("w", cuda)["step_graphs"] is False and tok_s.group_plan("a", cuda).get("step_graphs") is None
+    assert "skip" in tok_s.group_plan("w", torch.device("cpu"))
+    bw = tok_s.group_plan("bw", cuda)
+    if "skip" not in bw:  # the peers are importable (a GPU machine)
+        assert bw["step_graphs"] is False and bw["flex"]
 
 
 def test_group_s_sets_the_split_gdn_forward_for_its_row_only(monkeypatch):
