@@ -170,8 +170,10 @@ def _newest_profiles(everything, newest):
     current = {(r["preset"], r["group"]) for r in newest}
     for r in everything:
         key = (r["preset"], r["group"])
-        # older runs fill in (b) and the fastest (b+) stack only (the three bars)
-        wanted = key in current or r["group"] == "(b) peers" or r.get("b_plus_best")
+        # older runs fill in (b) and the fastest (b+) stack only (the three bars), of the presets
+        # the newest session ran
+        wanted = key in current or ((r["group"] == "(b) peers" or r.get("b_plus_best"))
+                                    and r["preset"] in {p for p, _ in current})
         if wanted and _has_profile(r) and (key not in latest or r.get("date", "") > latest[key].get("date", "")):
             latest[key] = r
     order = [(r["preset"], r["group"]) for r in newest] + sorted(set(latest) - {(r["preset"], r["group"]) for r in newest})

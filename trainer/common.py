@@ -79,9 +79,11 @@ def current_lr(sched) -> float:
 
 
 def peak_mem_gib(dev) -> float:
-    """Peak memory so far: the device's allocator on a GPU, the process's max RSS on the CPU."""
+    """Peak memory so far: on a GPU what the caching allocator held (``max_memory_reserved``: the CUDA
+    graphs' pools included, whose activations a replay does not allocate, so the allocated peak would
+    miss them), the process's max RSS on the CPU."""
     if dev.type == "cuda":
-        return torch.cuda.max_memory_allocated(dev) / 2 ** 30
+        return torch.cuda.max_memory_reserved(dev) / 2 ** 30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # ru_maxrss is KiB on Linux
 
 
