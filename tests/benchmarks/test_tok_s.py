@@ -366,7 +366,9 @@ def test_group_s_sets_the_split_gdn_forward_for_its_row_only(monkeypatch):
             raise RuntimeError("boom")
         return {"group": "x"}
     monkeypatch.setattr(tok_s, "_run_group", fake_run_group)
-    setup = tok_s.Setup("tiny", None, type("T", (), {"model": None})(), None, "")
+    from trainer.config import preset
+
+    setup = tok_s.Setup("tiny", preset("tiny"), type("T", (), {"model": None})(), None, "")
     tok_s.run_group(setup, "s", 1, 0, cuda, torch.bfloat16)
     with pytest.raises(RuntimeError, match="boom"):
         tok_s.run_group(setup, "s", 1, 0, cuda, torch.bfloat16)
@@ -379,14 +381,16 @@ def test_shape_pass_runs_every_timed_batch_before_the_clock(monkeypatch, shape_p
     """Every timed batch's forward and backward run once before the clock starts (no update), so first-time
     compilation and tuning of its shapes are not timed; ``--shape-pass off`` times the steps as they come."""
     import trainer.step as step
+    import trainer.step_graph as step_graph
 
     calls, clock = [], []
-    real_forward = step.forward_loss
+    real_loss = step.drafter_loss
 
-    def forward_loss(batch, *a, **k):
+    def drafter_loss(batch, *a, **k):  # the drafter's forward of the shape pass and of every step
         calls.append(batch["input_ids"].clone())
-        return real_forward(batch, *a, **k)
-    monkeypatch.setattr(step, "forward_loss", forward_loss)
+        return real_loss(batch, *a, **k)
+    monkeypatch.setattr(step, "drafter_loss", drafter_loss)
+    monkeypatch.setattr(step_graph, "drafter_loss", drafter_loss)
     real_sync = tok_s._sync
     monkeypatch.setattr(tok_s, "_sync", lambda dev: clock.append(len(calls)) or real_sync(dev))
     monkeypatch.setitem(tok_s.TIMING, "shape_pass", shape_pass)
