@@ -18,8 +18,8 @@ How a shape is captured (the recipe of PyTorch's whole-network capture):
 
 What has to hold, and is set here: the optimizer's groups are ``capturable`` and their learning rate is
 a device tensor (a float would be recorded into the graph; ``LambdaLR`` fills the tensor in place).
-Packed batches (``doc_ids``) and a ``compute_weights="copies"`` optimizer run eagerly; so does a CPU
-drafter (``graphs=False``). Memory: each graph keeps the step's intermediates in a pool of its own (the
+Packed batches (``doc_ids``) run eagerly; a CPU drafter and a ``compute_weights="copies"`` optimizer (no
+capturable mode) are refused with ``graphs=True`` and stepped eagerly by the config's "auto". Memory: each graph keeps the step's intermediates in a pool of its own (the
 eager steps' cached blocks are released after a capture).
 """
 
