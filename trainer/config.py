@@ -20,6 +20,11 @@ COMPUTE_WEIGHTS = ("autocast", "copies")  # TrainConfig.compute_weights
 TARGET_GRAPHS = ("auto", "on", "off")  # TrainConfig.target_cuda_graphs and step_cuda_graphs
 
 
+def _graphs_on(setting: str, auto: bool) -> bool:
+    """A CUDA-graph option's answer: "on" True, "off" False, "auto" whatever ``auto`` says."""
+    return auto if setting == "auto" else setting == "on"
+
+
 @dataclass
 class TrainConfig:
     # --- target and data ---
@@ -94,14 +99,13 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)  # free-form notes saved with the config
 
     def __post_init__(self):
-        if isinstance(self.target_cuda_graphs, bool):
-            self.target_cuda_graphs = "on" if self.target_cuda_graphs else "off"
-        if self.target_cuda_graphs not in TARGET_GRAPHS:
-            raise ValueError(f"target_cuda_graphs: expected one of {TARGET_GRAPHS}, got {self.target_cuda_graphs!r}")
-        if isinstance(self.step_cuda_graphs, bool):
-            self.step_cuda_graphs = "on" if self.step_cuda_graphs else "off"
-        if self.step_cuda_graphs not in TARGET_GRAPHS:
-            raise ValueError(f"step_cuda_graphs: expected one of {TARGET_GRAPHS}, got {self.step_cuda_graphs!r}")
+        for name in ("target_cuda_graphs", "step_cuda_graphs"):
+            value = getattr(self, name)
+            if isinstance(value, bool):  # configs saved before "auto" hold True / False
+                value = "on" if value else "off"
+                setattr(self, name, value)
+            if value not in TARGET_GRAPHS:
+                raise ValueError(f"{name}: expected one of {TARGET_GRAPHS}, got {value!r}")
         if self.compute_weights not in COMPUTE_WEIGHTS:
             raise ValueError(f"compute_weights: expected one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
         if self.loss not in LOSS_PATHS:
@@ -111,17 +115,13 @@ class TrainConfig:
         """Whether the target on ``device`` (a ``torch.device`` or its string) replays its feature forward
         as CUDA graphs: "on" always (``Target.use_cuda_graphs`` refuses a non-CUDA target by name), "auto"
         on CUDA devices only, "off" never."""
-        if self.target_cuda_graphs == "auto":
-            return str(device).startswith("cuda")
-        return self.target_cuda_graphs == "on"
+        return _graphs_on(self.target_cuda_graphs, str(device).startswith("cuda"))
 
     def step_graphs_on(self, device) -> bool:
         """Whether the drafter's step on ``device`` runs as CUDA graphs (``trainer.step_graph.DrafterStep``):
         "on" always (refused by name where it cannot run), "auto" on CUDA devices with
         ``compute_weights="autocast"``, "off" never."""
-        if self.step_cuda_graphs == "auto":
-            return str(device).startswith("cuda") and self.compute_weights == "autocast"
-        return self.step_cuda_graphs == "on"
+        return _graphs_on(self.step_cuda_graphs, str(device).startswith("cuda") and self.compute_weights == "autocast")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

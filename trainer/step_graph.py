@@ -23,6 +23,7 @@ capturable mode) are refused with ``graphs=True`` and stepped eagerly by the con
 eager steps' cached blocks are released after a capture).
 """
 
+import dataclasses
 import threading
 
 import torch
@@ -35,12 +36,16 @@ __all__ = ["DrafterStep", "GRAPH_INPUTS"]
 GRAPH_INPUTS = ("input_ids", "loss_mask", "lengths", "anchors", "valid")
 
 
+@dataclasses.dataclass
 class _Graph:
-    __slots__ = ("graph", "inputs", "feats", "loss", "stats", "gnorm", "grads", "lock")
-
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
+    graph: torch.cuda.CUDAGraph
+    inputs: dict  # the batch's tensors, the graph's own copies
+    feats: torch.Tensor
+    loss: torch.Tensor  # outputs, overwritten by each replay
+    stats: object  # trainer.loss.StepStats
+    gnorm: torch.Tensor
+    grads: list  # the gradients the graph writes and reads, kept alive with it
+    lock: threading.Lock
 
 
 class DrafterStep:
