@@ -46,13 +46,17 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW (torch's math, decoupled weight decay) over fp32 masters, reading the bf16 leaves' gradients
     where :class:`ComputeWeights` has a leaf and writing the leaves in the same kernel pass.
 
-    State per parameter as torch.optim.AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``), ``step`` kept on the
-    host so that the bias corrections need no read-back. :meth:`step_with_clip` folds the gradient clip
-    into the kernel (``trainer.step.clip_and_step`` calls it)."""
+    State per parameter as torch.optim.AdamW's (``step``, ``exp_avg``, ``exp_avg_sq``). ``capturable=False``:
+    ``step`` kept on the host, so that the bias corrections need no read-back. ``capturable=True`` (torch's
+    meaning; a group's option, set by ``trainer.step_graph.DrafterStep``): ``step`` a device tensor and ``lr``
+    a host number or a device tensor, the bias corrections computed on the device: the step can be recorded
+    into a CUDA graph. :meth:`step_with_clip` folds the gradient clip into the kernel
+    (``trainer.step.clip_and_step`` calls it)."""
 
     def __init__(self, params, compute_weights: ComputeWeights = None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+                 weight_decay=0.0, capturable: bool = False):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      capturable=capturable))
         self.compute_weights = compute_weights
         self.grad_scale = None
 
@@ -66,9 +70,12 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
-        for st in self.state.values():  # torch's fused AdamW keeps step on the device
-            if "step" in st:
-                st["step"] = torch.as_tensor(st["step"]).detach().to("cpu", torch.float32)
+        for group in self.param_groups:  # the step counts where this group keeps them (see the class)
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st:
+                    where = p.device if group.get("capturable") else "cpu"
+                    st["step"] = torch.as_tensor(st["step"]).detach().to(where, torch.float32)
 
     def zero_grad(self, set_to_none: bool = True):
         super().zero_grad(set_to_none)
@@ -80,24 +87,33 @@ class MasterAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for group in self.param_groups:
-            by_step = {}
+            capturable = group.get("capturable", False)
+            by_step = {}  # host step count (capturable: one list, the counts on the device) -> tensors
             for p in group["params"]:
                 g, leaf = self._grad(p)
                 if g is None:
                     continue
                 st = self.state[p]
                 if not st:
-                    st["step"] = torch.tensor(0.0)
+                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if capturable else "cpu")
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["step"] += 1
-                lists = by_step.setdefault(int(st["step"]), ([], [], [], [], []))
-                for lst, t in zip(lists, (p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], leaf)):
+                if capturable and st["step"].device != p.device:
+                    raise RuntimeError(f"MasterAdamW: capturable, but a step count is on {st['step'].device} and its "
+                                       f"parameter on {p.device}")
+                if not capturable:
+                    st["step"] += 1
+                lists = by_step.setdefault(None if capturable else int(st["step"]), ([], [], [], [], [], []))
+                for lst, t in zip(lists, (p, g.contiguous(), st["exp_avg"], st["exp_avg_sq"], leaf, st["step"])):
                     lst.append(t)
             beta1, beta2 = group["betas"]
-            for step, (ps, gs, ms, vs, leaves) in by_step.items():
-                fused_adamw_(ps, gs, ms, vs, lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"], step=step, grad_scale=self.grad_scale,
+            lr = group["lr"] if isinstance(group["lr"], torch.Tensor) else float(group["lr"])
+            for step, (ps, gs, ms, vs, leaves, steps) in by_step.items():
+                if step is None:  # capturable: the counts advance on the device
+                    torch._foreach_add_(steps, 1)
+                fused_adamw_(ps, gs, ms, vs, lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], step=steps if step is None else step,
+                             grad_scale=self.grad_scale,
                              compute_copies=leaves if any(c is not None for c in leaves) else None)
         return loss
 

@@ -78,7 +78,7 @@ class TrainConfig:
     target_cuda_graphs: str = "auto"
     # The drafter's forward, backward, clip and AdamW step recorded as one CUDA graph per batch shape and
     # replayed (trainer.step_graph; the single-process loop; the pipeline steps eagerly): "auto" = for a
-    # drafter on a CUDA device with compute_weights="autocast", "on" = required (refused where it cannot
+    # drafter on a CUDA device (either compute_weights), "on" = required (refused where it cannot
     # run), "off" = eager. Packed batches always step eagerly. On the H200 (tok_s, 2026-12-03): embedded
     # 30.0 -> 4.4 ms per step (the host's launches were 87% of it), real 137.5 -> 136.8 ms.
     step_cuda_graphs: str = "auto"
@@ -119,9 +119,8 @@ class TrainConfig:
 
     def step_graphs_on(self, device) -> bool:
         """Whether the drafter's step on ``device`` runs as CUDA graphs (``trainer.step_graph.DrafterStep``):
-        "on" always (refused by name where it cannot run), "auto" on CUDA devices with
-        ``compute_weights="autocast"``, "off" never."""
-        return _graphs_on(self.step_cuda_graphs, str(device).startswith("cuda") and self.compute_weights == "autocast")
+        "on" always (refused by name where it cannot run), "auto" on CUDA devices, "off" never."""
+        return _graphs_on(self.step_cuda_graphs, str(device).startswith("cuda"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -18,8 +18,10 @@ How a shape is captured (the recipe of PyTorch's whole-network capture):
 
 What has to hold, and is set here: the optimizer's groups are ``capturable`` and their learning rate is
 a device tensor (a float would be recorded into the graph; ``LambdaLR`` fills the tensor in place).
-Packed batches (``doc_ids``) run eagerly; a CPU drafter and a ``compute_weights="copies"`` optimizer (no
-capturable mode) are refused with ``graphs=True`` and stepped eagerly by the config's "auto". Memory: each graph keeps the step's intermediates in a pool of its own (the
+With ``compute_weights="copies"`` that is ``MasterAdamW``'s capturable mode (its step counts on the device,
+the bias corrections computed there). Packed batches (``doc_ids``) run eagerly; a CPU drafter and an
+optimizer without a capturable mode are refused with ``graphs=True`` (a CPU drafter is stepped eagerly by
+the config's "auto"). Memory: each graph keeps the step's intermediates in a pool of its own (the
 eager steps' cached blocks are released after a capture).
 """
 
@@ -72,9 +74,6 @@ class DrafterStep:
     def _make_capturable(self):
         if self.dev.type != "cuda":
             raise ValueError(f"step_cuda_graphs: needs the drafter on a CUDA device, it is on {self.dev}")
-        if hasattr(self.opt, "step_with_clip"):
-            raise ValueError("step_cuda_graphs: not with compute_weights='copies' (its optimizer has no capturable "
-                             "mode); use compute_weights='autocast' or step_cuda_graphs='off'")
         for g in self.opt.param_groups:
             if "capturable" not in g:
                 raise ValueError(f"step_cuda_graphs: {type(self.opt).__name__} has no capturable mode")
@@ -142,7 +141,8 @@ class DrafterStep:
             loss, stats = self._forward_backward(inputs, static_feats)
             gnorm = clip_and_step(self.opt, self.params, self.cfg.grad_clip)
         here.wait_stream(side)
-        grads = [p.grad for p in self.params]  # kept alive with the graph, which writes and reads them
+        # kept alive with the graph, which writes and reads them (MasterAdamW: the bf16 leaves' gradients)
+        grads = self.opt.grads() if hasattr(self.opt, "grads") else [p.grad for p in self.params]
         self.opt.zero_grad(set_to_none=True)  # an eager step of another shape must not add to them
         # the eager steps' cached blocks (their activations) are not needed while the graph replays: give
         # them back, or the process holds the step's activations twice (about 6 GiB at the real preset)

@@ -71,6 +71,40 @@ def test_grad_scale_and_compute_copies():
                 assert bool(((c.float() - p).abs() <= p.abs() * 2.0 ** -7).all())
 
 
+def test_learning_rate_and_step_on_the_device():
+    """lr a one-element tensor and step one tensor per parameter (what a CUDA graph records): the host path's
+    numbers, the bias corrections from each parameter's own count; the reference reads them back."""
+    ps, ms, vs = _state(2)
+    ps2, ms2, vs2 = (copy.deepcopy(x) for x in (ps, ms, vs))
+    ps3, ms3, vs3 = (copy.deepcopy(x) for x in (ps, ms, vs))
+    lr = torch.tensor([0.0], device=device())
+    steps = [torch.zeros((), device=device()) for _ in ps]
+    for step, lr_now in ((1, 1e-2), (2, 5e-3), (3, 2e-3)):
+        grads = _grads(step, torch.bfloat16)
+        lr.fill_(lr_now)
+        torch._foreach_add_(steps, 1)
+        fused_adamw_(ps, grads, ms, vs, lr=lr, step=steps, weight_decay=0.1, beta2=0.95)
+        fused_adamw_(ps2, grads, ms2, vs2, lr=lr_now, step=step, weight_decay=0.1, beta2=0.95)
+        naive_adamw_(ps3, grads, ms3, vs3, lr=lr, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=steps)
+    for a, b, c in zip(ps, ps2, ps3):
+        assert rel_err(a, b) < 1e-6 and rel_err(a, c) < 1e-6
+    for a, b in zip(ms + vs, ms2 + vs2):
+        assert torch.equal(a, b)
+    # one shared step tensor; counts that differ per parameter use each its own
+    for t, n in zip(steps, (1, 4, 4, 4)):
+        t.fill_(n)
+    one, many = copy.deepcopy(ps), copy.deepcopy(ps)
+    g = _grads(9, torch.float32)
+    fused_adamw_(one, g, copy.deepcopy(ms), copy.deepcopy(vs), lr=1e-2, step=torch.tensor(4.0, device=device()))
+    fused_adamw_(many, g, copy.deepcopy(ms), copy.deepcopy(vs), lr=1e-2, step=steps)  # 1, 4, 4, 4
+    ref = copy.deepcopy(ps)
+    naive_adamw_(ref[:1], g[:1], copy.deepcopy(ms[:1]), copy.deepcopy(vs[:1]), lr=1e-2, beta1=0.9, beta2=0.999,
+                 eps=1e-8, weight_decay=0.0, step=1)
+    assert rel_err(many[0], ref[0]) < 1e-6 and rel_err(many[0], one[0]) > 1e-4
+    for a, b in zip(one[1:], many[1:]):
+        assert rel_err(a, b) < 1e-7
+
+
 BAD = [
     (lambda a: dict(a, params=[a["params"][0].double()]), TypeError, r"params\[0\]: dtype torch.float64"),
     (lambda a: dict(a, grads=[a["grads"][0][:-1]]), ValueError, r"grads\[0\]: shape"),
@@ -80,6 +114,10 @@ BAD = [
     (lambda a: dict(a, beta1=1.5), ValueError, "beta1: expected a finite number in"),
     (lambda a: dict(a, step=0), ValueError, "step: expected an int >= 1"),
     (lambda a: dict(a, grad_scale=torch.ones(2)), ValueError, "grad_scale: expected a one-element"),
+    (lambda a: dict(a, lr=torch.ones(2)), ValueError, r"lr: expected a number or a one-element float tensor, got "
+                                                      r"torch.float32 \(2,\)"),
+    (lambda a: dict(a, step=torch.ones((), dtype=torch.int64)), ValueError, "step: expected a number or a one-element"),
+    (lambda a: dict(a, step=[torch.ones(()), torch.ones(())]), ValueError, "step: expected 1 tensors"),
     (lambda a: dict(a, params=[a["params"][0].t()]), ValueError, r"params\[0\]: must be contiguous"),
 ]
 

@@ -81,9 +81,12 @@ def test_attention_element_offsets_overflow_int32():
 
 
 def test_attention_kernel_grid_limit():
-    with pytest.raises(ValueError, match="q: B \\* Hq"):
-        attention_checks.check_kernel_grid(4096, 32)
-    attention_checks.check_kernel_grid(2047, 32)
+    """The grids are flat: B * Hq * tiles programs on one axis (2**31 - 1 of them)."""
+    with pytest.raises(ValueError, match=r"q: B \* Hq \* max\(row tiles, 2 \* key tiles\) = 4096 \* 32 \* 16384"):
+        attention_checks.check_kernel_grid(4096, 32, 16384, 64)
+    with pytest.raises(ValueError, match=r"= 4096 \* 32 \* 16384 exceeds"):
+        attention_checks.check_kernel_grid(4096, 32, 10, 8192)
+    attention_checks.check_kernel_grid(4096, 32, 16383, 64)  # the old 65535-program second axis is gone
 
 
 DFLASH_MASK_CASES = [

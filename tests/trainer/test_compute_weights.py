@@ -80,6 +80,31 @@ def test_state_dict_round_trip_and_refresh():
         assert torch.equal(p, q)
 
 
+def test_capturable_mode_takes_the_same_steps():
+    """capturable=True (the step counts device tensors, lr a tensor filled in place, as under
+    trainer.step_graph's graphs) gives the host-count path's weights and moments; a restored state keeps
+    its counts where the group wants them."""
+    torch.manual_seed(0)
+    model = Toy()
+    other = copy.deepcopy(model)
+    cw, cw2 = ComputeWeights(model), ComputeWeights(other)
+    opt = MasterAdamW(model.parameters(), cw, lr=1e-2, weight_decay=0.1)
+    opt2 = MasterAdamW(other.parameters(), cw2, lr=1e-2, weight_decay=0.1, capturable=True)
+    opt2.param_groups[0]["lr"] = torch.tensor(1e-2)
+    _run(model, opt, cw)
+    _run(other, opt2, cw2)
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        assert (p - q).abs().max() <= 1e-6 * p.abs().max(), name
+    for p, q in zip(model.parameters(), other.parameters()):
+        a, b = opt.state[p], opt2.state[q]
+        assert float(a["step"]) == float(b["step"]) == 6.0
+        assert (a["exp_avg"] - b["exp_avg"]).abs().max() <= 1e-6 * a["exp_avg"].abs().max()
+    state = copy.deepcopy(opt2.state_dict())
+    opt3 = MasterAdamW(copy.deepcopy(other).parameters(), None, lr=1e-2)
+    opt3.load_state_dict(state)  # the saved group was capturable: its counts stay tensors of the parameters' device
+    assert opt3.param_groups[0]["capturable"] and all(st["step"].dim() == 0 for st in opt3.state.values())
+
+
 @pytest.mark.parametrize("bad", ["lr"])
 def test_bad_hyperparameters_name_the_argument(bad):
     model = Toy()

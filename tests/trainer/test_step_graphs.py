@@ -36,9 +36,14 @@ def _setup(tiny_qwen35_dir, dev, dtype=torch.float32, seed=0):
     return cfg, target, drafter, batches
 
 
-def _optimizer(drafter, cfg, steps):
-    fused = next(drafter.parameters()).is_cuda
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
+def _optimizer(drafter, cfg, steps, kind="fused", dtype=torch.float32):
+    if kind == "copies":  # MasterAdamW over bf16 compute copies (trainer.compute_weights)
+        from trainer.compute_weights import make_optimizer
+
+        opt = make_optimizer(drafter, cfg, dtype, "copies")
+    else:
+        fused = next(drafter.parameters()).is_cuda
+        opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), fused=fused)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(steps, cfg.warmup_ratio, cfg.min_lr_ratio))
 
 
@@ -90,7 +95,7 @@ def test_the_config_option():
     assert cfg.step_cuda_graphs == "auto"
     assert cfg.step_graphs_on("cuda:0") and cfg.step_graphs_on(torch.device("cuda", 1))
     assert not cfg.step_graphs_on("cpu") and not preset("tiny", step_cuda_graphs="off").step_graphs_on("cuda")
-    assert not preset("tiny", step_cuda_graphs="auto", compute_weights="copies").step_graphs_on("cuda")
+    assert preset("tiny", step_cuda_graphs="auto", compute_weights="copies").step_graphs_on("cuda")
     assert preset("tiny", step_cuda_graphs="on").step_graphs_on("cpu")  # DrafterStep refuses it by name
     assert preset("tiny", step_cuda_graphs=True).step_cuda_graphs == "on"
     assert TrainConfig.from_dict({**cfg.to_dict(), "step_cuda_graphs": False}).step_cuda_graphs == "off"
@@ -126,9 +131,12 @@ def test_checkpoints_hold_float_learning_rates(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_graphed_steps_are_the_eager_ones(tiny_qwen35_dir, dtype):
-    """Six steps with a changing learning rate, eager against graphs (eager, captured, four replays)."""
+@pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, "fused"), (torch.float32, "fused"),
+                                        (torch.bfloat16, "copies")], ids=["bf16", "fp32", "bf16-copies"])
+def test_graphed_steps_are_the_eager_ones(tiny_qwen35_dir, dtype, kind):
+    """Six steps with a changing learning rate, eager against graphs (eager, captured, four replays); with
+    torch's fused AdamW, and with MasterAdamW over bf16 compute copies (its capturable mode under graphs,
+    host step counts eagerly)."""
     dev = torch.device("cuda")
     before = dk.get_backend("attention")
     dk.set_backend("attention", "auto")  # the library's kernels, as a GPU run has them
@@ -136,7 +144,8 @@ def test_graphed_steps_are_the_eager_ones(tiny_qwen35_dir, dtype):
         runs = []
         for graphs in (False, True):
             cfg, target, drafter, batches = _setup(tiny_qwen35_dir, dev, dtype)
-            opt, sched = _optimizer(drafter, cfg, len(batches))
+            opt, sched = _optimizer(drafter, cfg, len(batches), kind, dtype)
+            assert kind != "copies" or hasattr(drafter, "compute_weights")
             step = DrafterStep(drafter, target, opt, cfg, dev, dtype, graphs=graphs)
             out, prev = [], [p.detach().clone() for p in drafter.parameters()]
             for b in batches:
@@ -164,14 +173,15 @@ def test_graphed_steps_are_the_eager_ones(tiny_qwen35_dir, dtype):
 
 
 @pytest.mark.gpu
-def test_training_with_step_graphs_gives_the_same_losses(tmp_path, tiny_qwen35_dir, counting_data):
+@pytest.mark.parametrize("compute_weights", ["autocast", "copies"])
+def test_training_with_step_graphs_gives_the_same_losses(tmp_path, tiny_qwen35_dir, counting_data, compute_weights):
     from trainer.train import train
 
     losses = {}
     for flag in ("off", "on"):
         out = tmp_path / f"run-{flag}"
         cfg = preset("tiny", target=tiny_qwen35_dir, data=counting_data, out_dir=str(out), steps=6, device="cuda",
-                     step_cuda_graphs=flag, save_interval=3)
+                     step_cuda_graphs=flag, save_interval=3, compute_weights=compute_weights)
         train(cfg, log=lambda s: None)
         with open(out / "metrics.jsonl") as f:
             recs = [json.loads(line) for line in f]

@@ -8,7 +8,7 @@ import torch
 from dflash_kernels.ops.adamw.kernels import adamw_kernel
 from dflash_kernels.runtime import Op, bucket, cdiv
 
-__all__ = ["fused_adamw_"]
+__all__ = ["fused_adamw_", "device_hparams"]
 
 _op = Op("adamw")
 
@@ -43,12 +43,50 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, compute_copies, grad_scale, lr,
     if grad_scale is not None and (grad_scale.numel() != 1 or not grad_scale.is_floating_point()):
         raise ValueError(f"grad_scale: expected a one-element float tensor, got {grad_scale.dtype} "
                          f"{tuple(grad_scale.shape)}")
-    for name, x, lo, hi in (("lr", lr, 0, math.inf), ("beta1", beta1, 0, 1), ("beta2", beta2, 0, 1),
-                            ("eps", eps, 0, math.inf), ("weight_decay", weight_decay, 0, math.inf)):
+    dev = params[0].device if params else None
+    if isinstance(lr, torch.Tensor):  # its value is on the device: not read back (no synchronization)
+        _check_device_scalar("lr", lr, dev)
+        hosted = ()
+    else:
+        hosted = (("lr", lr, 0, math.inf),)
+    for name, x, lo, hi in hosted + (("beta1", beta1, 0, 1), ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
+                                     ("weight_decay", weight_decay, 0, math.inf)):
         if not isinstance(x, (int, float)) or isinstance(x, bool) or not (lo <= x <= hi) or not math.isfinite(x):
             raise ValueError(f"{name}: expected a finite number in [{lo}, {hi}], got {x!r}")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+    if isinstance(step, (list, tuple)):
+        if len(step) != n:
+            raise ValueError(f"step: expected {n} tensors (one per parameter), got {len(step)}")
+        for i, t in enumerate(step):
+            _check_device_scalar(f"step[{i}]", t, dev)
+    elif isinstance(step, torch.Tensor):
+        _check_device_scalar("step", step, dev)
+    elif not isinstance(step, int) or isinstance(step, bool) or step < 1:
         raise ValueError(f"step: expected an int >= 1 (the step being taken), got {step!r}")
+
+
+def _check_device_scalar(name, t, dev):
+    if not isinstance(t, torch.Tensor) or t.numel() != 1 or not t.is_floating_point():
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name}: expected a number or a one-element float tensor, got {got}")
+    if dev is not None and t.device != dev:
+        raise ValueError(f"{name}: on {t.device}, the parameters on {dev}")
+
+
+def device_hparams(n, lr, step, beta1, beta2, weight_decay, device):
+    """``[n, 3]`` fp32 rows ``(1 - lr * wd, lr / bc1, sqrt(bc2))`` computed on ``device`` from a device-tensor
+    ``lr`` and/or ``step`` (one tensor, or one per parameter): a few small kernels, no read-back. The bias
+    corrections ``1 - beta ** step`` in fp64, as torch's capturable fused AdamW computes them."""
+    f64 = dict(dtype=torch.float64, device=device)
+    if isinstance(step, (list, tuple)):
+        s = torch.stack([t.reshape(()) for t in step]).to(**f64)
+    elif isinstance(step, torch.Tensor):
+        s = step.reshape(1).to(**f64).expand(n)
+    else:
+        s = torch.full((n,), float(step), **f64)
+    lr = lr.reshape(()).to(**f64) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), **f64)
+    bc1 = 1 - torch.pow(beta1, s)
+    bc2 = 1 - torch.pow(beta2, s)
+    return torch.stack([(1 - lr * weight_decay).expand(n), lr / bc1, bc2.sqrt()], 1).to(torch.float32)
 
 
 @_op.impl("reference")
@@ -60,16 +98,22 @@ def _reference(*args, **kwargs):
 @_op.impl("triton", "interpret")
 def _kernels(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, grad_scale=None,
              compute_copies=None):
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    on_device = isinstance(lr, torch.Tensor) or not isinstance(step, int)
+    if on_device:
+        hp = device_hparams(len(params), lr, step, beta1, beta2, weight_decay, params[0].device)
+        decay = step_size = bc2_sqrt = 1.0  # unused: the kernel reads its row of hp
+    else:
+        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+        decay, step_size, bc2_sqrt = 1 - lr * weight_decay, lr / bc1, math.sqrt(bc2)
     for i, p in enumerate(params):
         n = p.numel()
         if n == 0:
             continue
         out = compute_copies[i] if compute_copies is not None else None
         adamw_kernel(lambda m, n=n: (cdiv(n, m["BLOCK"]),), p, grads[i], exp_avgs[i], exp_avg_sqs[i],
-                     p if out is None else out, p if grad_scale is None else grad_scale, n, beta1, beta2, eps,
-                     1 - lr * weight_decay, lr / bc1, math.sqrt(bc2), bucket=(bucket(n, cap=1 << 26),),
-                     HAS_OUT=out is not None, HAS_SCALE=grad_scale is not None)
+                     p if out is None else out, p if grad_scale is None else grad_scale, hp[i] if on_device else p,
+                     n, beta1, beta2, eps, decay, step_size, bc2_sqrt, bucket=(bucket(n, cap=1 << 26),),
+                     HAS_OUT=out is not None, HAS_SCALE=grad_scale is not None, HP_ON_DEVICE=on_device)
 
 
 def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
@@ -80,8 +124,11 @@ def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0
         params, exp_avgs, exp_avg_sqs: lists of contiguous fp32 tensors, one shape per parameter.
         grads: the gradients, contiguous, any float dtype (bf16 gradients of bf16 compute copies are
             read as they are).
-        lr, beta1, beta2, eps, weight_decay: host numbers. step: the step being taken (1 first), for the
-            bias corrections.
+        lr: a host number, or a one-element float tensor on the parameters' device (its value is read on the
+            device only: the step can be recorded into a CUDA graph and replayed as the value changes).
+        beta1, beta2, eps, weight_decay: host numbers.
+        step: the step being taken (1 first), for the bias corrections: an int, or (device-side, as ``lr``) a
+            one-element float tensor or a list of them, one per parameter (torch's capturable ``state["step"]``).
         grad_scale: optional one-element device tensor; each gradient is divided by it first (the
             gradient clip's ``1 / coef``: no host synchronization).
         compute_copies: optional list (entries may be None) of tensors that receive the updated parameter

@@ -10,7 +10,9 @@ decay) in fp32:
     p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 
 with ``g`` divided by ``*scale`` first when a scale is given (the gradient clip's ``1 / coef``, a device
-scalar: no host synchronization).
+scalar: no host synchronization). ``1 - lr * wd``, ``lr / bc1`` and ``sqrt(bc2)`` come as host numbers or,
+with ``HP_ON_DEVICE``, from a device row of three fp32 values (a learning rate and step count that live on
+the device: the step can be recorded into a CUDA graph).
 """
 
 import triton
@@ -22,8 +24,13 @@ __all__ = ["adamw_kernel"]
 
 
 @triton.jit(do_not_specialize=["n", "beta1", "beta2", "eps", "decay", "step_size", "bc2_sqrt"])
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, n, beta1, beta2, eps, decay, step_size, bc2_sqrt,
-                  HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, hp_ptr, n, beta1, beta2, eps, decay, step_size,
+                  bc2_sqrt, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HP_ON_DEVICE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    if HP_ON_DEVICE:  # (1 - lr * wd, lr / bc1, sqrt(bc2)) computed on the device
+        decay = tl.load(hp_ptr)
+        step_size = tl.load(hp_ptr + 1)
+        bc2_sqrt = tl.load(hp_ptr + 2)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)

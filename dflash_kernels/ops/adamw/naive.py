@@ -8,9 +8,12 @@ __all__ = ["naive_adamw_"]
 
 def naive_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step,
                  grad_scale=None, compute_copies=None):
-    """In place, tensor by tensor, in fp32: the math of ``kernels.py`` (torch's AdamW)."""
-    bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+    """In place, tensor by tensor, in fp32: the math of ``kernels.py`` (torch's AdamW). ``lr`` and ``step`` may
+    be device tensors (``step`` one per parameter): read back here."""
+    lr = float(lr)
+    steps = [int(float(t)) for t in step] if isinstance(step, (list, tuple)) else [int(float(step))] * len(params)
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        bc1, bc2 = 1 - beta1 ** steps[i], 1 - beta2 ** steps[i]
         g = g.float()
         if grad_scale is not None:
             g = g / grad_scale.float()

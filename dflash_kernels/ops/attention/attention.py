@@ -51,8 +51,8 @@ def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scal
     lse = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     NC = G // meta["GH"]
     attention_fwd_kernel(
-        lambda m: (cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, o, lse, segments, seg_count, tiles,
-        Tq, Tk, NG, MS, MB, Hq, Hkv,
+        lambda m: (cdiv(NG, m["GPB"]) * B * Hkv * NC,), q, k, v, o, lse, segments, seg_count, tiles,
+        Tq, Tk, NG, MS, MB, Hq, Hkv, B * Hkv * NC,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         scale * LOG2E, bucket=(bucket(Tq), bucket(Tk)), **meta)
@@ -76,13 +76,13 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     attention_bwd_dq_kernel(
-        lambda m: (cdiv(NG, m["GPB"]), B * Hkv * NC), q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
-        Tq, Tk, NG, MS, MB, Hq, Hkv, *strides, scale * LOG2E, scale,
+        lambda m: (cdiv(NG, m["GPB"]) * B * Hkv * NC,), q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
+        Tq, Tk, NG, MS, MB, Hq, Hkv, B * Hkv * NC, *strides, scale * LOG2E, scale,
         bucket=(bucket(Tq), bucket(Tk)), **meta)
     NKV = cdiv(Tk, kv_tile)
     attention_bwd_dkdv_kernel(
-        lambda m: (NKV * m["SPLIT"], B * Hkv), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full,
-        rev_entries, tiles, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, *strides, scale * LOG2E, scale,
+        lambda m: (NKV * m["SPLIT"] * B * Hkv,), q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full,
+        rev_entries, tiles, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, B * Hkv, *strides, scale * LOG2E, scale,
         bucket=(bucket(Tq), bucket(Tk)), KVT=kv_tile, **meta)
     return dq, dk, dv
 
@@ -141,7 +141,7 @@ _fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _bac
 
 @_attention.impl("triton", "interpret")
 def _attention_kernels(q, k, v, mask, scale):
-    check_kernel_grid(q.shape[0], q.shape[2])
+    check_kernel_grid(q.shape[0], q.shape[2], cdiv(q.shape[1], mask.q_block), cdiv(k.shape[1], mask.kv_tile))
     return _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
                                mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries, mask.q_block,
                                mask.kv_tile, mask.tile_width, scale)

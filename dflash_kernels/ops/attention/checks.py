@@ -18,7 +18,7 @@ HEAD_DIMS = (64, 128, 256)
 # (batch offsets are int64): lengths and per-batch-element sizes must stay below these bounds.
 INT32_MAX = 2**31 - 1
 MAX_TILE = 128  # the widest key tile (BN) a kernel steps by: its last tile may reach past the keys
-MAX_GRID_Y = 65535  # programs on a CUDA grid's second axis (batch x heads there)
+MAX_GRID_X = 2**31 - 1  # programs on a CUDA grid's first axis (the kernels' grids are flat)
 
 
 def check_kv_len(name, kv_len, kv_tile):
@@ -78,11 +78,13 @@ def check_attention_inputs(q, k, v, mask, scale):
             raise ValueError(f"scale: must be finite, got {scale}")
 
 
-def check_kernel_grid(B, Hq):
-    """The kernels run one program per (row or key tile, batch element x heads): the second count must
-    fit a CUDA grid's second axis."""
-    if B * Hq > MAX_GRID_Y:
-        raise ValueError(f"q: B * Hq = {B} * {Hq} exceeds {MAX_GRID_Y}, the programs a CUDA grid's second axis "
+def check_kernel_grid(B, Hq, n_row_tiles, n_key_tiles):
+    """The kernels run on flat grids, one program per (row or key tile, batch element x head): the
+    count must fit a CUDA grid's first axis (dk/dv may split each key tile in two)."""
+    n = B * Hq * max(n_row_tiles, 2 * n_key_tiles)
+    if n > MAX_GRID_X:
+        raise ValueError(f"q: B * Hq * max(row tiles, 2 * key tiles) = {B} * {Hq} * "
+                         f"{max(n_row_tiles, 2 * n_key_tiles)} exceeds {MAX_GRID_X}, the programs a CUDA grid "
                          f"holds; split the batch")
 
 

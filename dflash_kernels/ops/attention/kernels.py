@@ -14,7 +14,15 @@ the keys between the two blocks' anchors.
 
 Forward and dq programs run in reverse group order: with anchors sorted along the sequence (as a
 trainer samples them) the last groups see the longest contexts, and starting them first keeps the
-last wave of programs short.
+last wave of programs short. The grids are flat (one axis: no 65535 limit on batch x heads).
+
+The dk/dv programs run their key tiles in ascending order (the first keys are seen by the most rows,
+under a causal mask as under sorted DFlash anchors) with the (batch, head) index varying fastest:
+GPUs start programs in grid order, and with the heads outermost the heaviest key tiles of the last
+heads started only after every earlier head's light ones (the draft blocks' own keys, seen by one
+block each). Heads fastest: dk/dv at B=1, S=3072, 512 blocks 1.6 -> 1.28 ms on the H200 (2026-12-03).
+The forward's and dq's programs are lighter and many more per head; for them the order measured the
+same within 1-3% (row tiles fastest slightly ahead), so they keep it.
 
 The dk/dv kernel runs per key tile over the reverse index (mask.py), unmasked entries first, with
 the keys (QM=0) or the row tiles (QM=1, transposed dk / dv accumulators) on the matmuls' M side.
@@ -98,6 +106,15 @@ def _poison_seen(acc, vis, ok):
 
 
 @triton.jit
+def _row_program(NBH):
+    """(row-tile index, batch x head index) of a forward / dq program on the flat grid: row tiles fastest,
+    in reverse (module docstring)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.num_programs(0) // NBH
+    return n_tiles - 1 - pid % n_tiles, pid // n_tiles
+
+
+@triton.jit
 def _program_rows(pid_g, pid_bh, Tq, NG, MB, Hkv, G: tl.constexpr, GH: tl.constexpr, BQ: tl.constexpr,
                   BM: tl.constexpr, GPB: tl.constexpr):
     """The rows of a forward / dq program: GPB consecutive query groups, BM rows each.
@@ -144,9 +161,9 @@ def _segment_plan(segments, n_seg, grp, s_i, q0, MS, BQ: tl.constexpr, BN: tl.co
     return lo[:, None], hi[:, None], shift[:, None], tile[:, None], start, mid0, mid0 + n_full * BN, stop
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB", "NBH"])
 def _attention_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
-                     Tq, Tk, NG, MS, MB, Hq, Hkv,
+                     Tq, Tk, NG, MS, MB, Hq, Hkv, NBH,
                      stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                      stride_vb, stride_vt, stride_vh, stride_ob, stride_ot, stride_oh,
                      qk_scale,
@@ -155,9 +172,8 @@ def _attention_fwd_kernel(q, k, v, o, lse, segments, seg_count, tiles,
                      DOT_PREC: tl.constexpr, BN: tl.constexpr, GPB: tl.constexpr):
     tl.static_assert(BM >= BQ * GH)
     tl.static_assert(G % GH == 0)
-    pid_g = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest groups first (module docstring)
-    b, kvh, grp, q0, t, h, row_ok = _program_rows(pid_g, tl.program_id(1), Tq, NG, MB, Hkv,
-                                                  G, GH, BQ, BM, GPB)
+    pid_g, pid_bh = _row_program(NBH)
+    b, kvh, grp, q0, t, h, row_ok = _program_rows(pid_g, pid_bh, Tq, NG, MB, Hkv, G, GH, BQ, BM, GPB)
     offs_d = tl.arange(0, D)
     b64 = b.to(tl.int64)
     q_ptrs = q + b64 * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :]
@@ -258,9 +274,9 @@ def _dq_inner(dq, q, do_, lse2, dlt, k_base, v_base, stride_kt, stride_vt, start
     return dq
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB", "NBH"])
 def _attention_bwd_dq_kernel(q, k, v, do, lse, delta, dq, segments, seg_count, tiles,
-                        Tq, Tk, NG, MS, MB, Hq, Hkv,
+                        Tq, Tk, NG, MS, MB, Hq, Hkv, NBH,
                         stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                         stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
                         qk_scale, sm_scale,
@@ -268,9 +284,8 @@ def _attention_bwd_dq_kernel(q, k, v, do, lse, delta, dq, segments, seg_count, t
                         BM: tl.constexpr, TW: tl.constexpr, HAS_TILES: tl.constexpr,
                         DOT_PREC: tl.constexpr, BN: tl.constexpr, GPB: tl.constexpr):
     """dq for the rows of GPB query groups; dq has q's strides."""
-    pid_g = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest groups first (module docstring)
-    b, kvh, grp, q0, t, h, row_ok = _program_rows(pid_g, tl.program_id(1), Tq, NG, MB, Hkv,
-                                                  G, GH, BQ, BM, GPB)
+    pid_g, pid_bh = _row_program(NBH)
+    b, kvh, grp, q0, t, h, row_ok = _program_rows(pid_g, pid_bh, Tq, NG, MB, Hkv, G, GH, BQ, BM, GPB)
     b64 = b.to(tl.int64)
     qt, do_, lse2, dlt = _load_rows(q, do, lse, delta, b64, t, h, row_ok, Tq, Hq, stride_qb, stride_qt,
                                     stride_qh, stride_dob, stride_dot, stride_doh, D)
@@ -392,9 +407,9 @@ def _dkdv_entries(dka, dva, kt, vt, q, do, lse, delta, segments, rev_entries, ti
     return dka, dva
 
 
-@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB", "NKV"])
+@triton.jit(do_not_specialize=["Tq", "Tk", "NG", "MS", "MB", "NKV", "NBH"])
 def _attention_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_offsets, rev_full, rev_entries, tiles,
-                          Tq, Tk, NG, MS, MB, NKV, Hq, Hkv,
+                          Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, NBH,
                           stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                           stride_vb, stride_vt, stride_vh, stride_dob, stride_dot, stride_doh,
                           qk_scale, sm_scale,
@@ -413,8 +428,8 @@ def _attention_bwd_dkdv_kernel(q, k, v, do, lse, delta, dk, dv, segments, rev_of
     many local loads per step at BN = 64, a few at BN = 32; benchmarks/sm90_resources.py)."""
     BN: tl.constexpr = KVT // SPLIT
     tl.static_assert(BN >= 16)
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_n = tl.program_id(0) // NBH  # key tiles in order, the heads fastest (module docstring)
+    pid_bh = tl.program_id(0) % NBH
     b = pid_bh // Hkv
     kvh = pid_bh % Hkv
     bm = b % MB
