@@ -121,8 +121,9 @@ def plot_tok_s(path, out_dir):
 
     by_gpu = defaultdict(list)
     for r in _read(path):
-        # rows of a non-default trainer variant (tagged "variant") are kept in the file, not charted
-        if isinstance(r.get("tok_s"), (int, float)) and "variant" not in r:
+        # rows of a non-default trainer variant (tagged "variant") and rows found invalid afterwards
+        # (tagged "defect") are kept in the file, not charted
+        if isinstance(r.get("tok_s"), (int, float)) and "variant" not in r and "defect" not in r:
             by_gpu[r.get("gpu", "?")].append(r)
     paths = []
     for gpu, rows in by_gpu.items():
@@ -214,6 +215,7 @@ def _plot_step_breakdown(ax, rows):
         bottom = [b + v for b, v in zip(bottom, values)]
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.1f} ms", (x, total), ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(0, max(bottom, default=1.0) * 1.08)  # room for the totals above the bars
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("ms per step: device time (profile) + GPU idle")

@@ -68,6 +68,17 @@ def test_tok_s_chart_renders_mfu_and_the_breakdown(tmp_path):
     assert [os.path.basename(p) for p in out] == ["tok_s-H200.png"] and os.path.getsize(out[0]) > 10_000
 
 
+def test_rows_found_invalid_are_not_charted(tmp_path):
+    """A row tagged ``defect`` (or ``variant``) stays in the file and out of the chart."""
+    rows = [{"gpu": "H200", "date": "2026-12-03T16:35:04+00:00", "preset": "real", "group": "(m)", "tok_s": 1.0,
+             "mfu": 0.5, "defect": "wrong weights"},
+            {"gpu": "H100", "date": "2026-12-03T16:35:04+00:00", "preset": "real", "group": "(e)", "tok_s": 1.0,
+             "mfu": 0.5, "variant": "x"}]
+    path = tmp_path / "tok_s.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert plot.plot_tok_s(str(path), str(tmp_path)) == []
+
+
 def test_step_breakdown_fills_in_b_and_b_plus_from_an_older_run():
     """The newest run's profiled rows first; (b) and the fastest (b+) stack from the newest older run that
     profiled them (labelled with its date); other older groups are left out."""

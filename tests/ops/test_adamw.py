@@ -105,6 +105,16 @@ def test_learning_rate_and_step_on_the_device():
         assert rel_err(a, b) < 1e-7
 
 
+def test_tuning_restores_what_the_step_updates():
+    """The kernel updates p, m, v (and the compute copy) in place: the tuner, which launches each candidate
+    many times on the real tensors, must put them back (on the GPU, where tuning runs, the tests above
+    failed with parameters ~17x off before it did; the interpreter never tunes)."""
+    from dflash_kernels.ops.adamw.kernels import adamw_kernel
+
+    restored = {adamw_kernel.runtime_names[i] for i in adamw_kernel._restore_idx}
+    assert restored == {"p_ptr", "m_ptr", "v_ptr", "out_ptr"}
+
+
 BAD = [
     (lambda a: dict(a, params=[a["params"][0].double()]), TypeError, r"params\[0\]: dtype torch.float64"),
     (lambda a: dict(a, grads=[a["grads"][0][:-1]]), ValueError, r"grads\[0\]: shape"),

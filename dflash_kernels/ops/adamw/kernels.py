@@ -50,7 +50,9 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, hp_ptr, n, bet
         tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# In place: the tuner's trials (each candidate launched dozens of times on the real tensors) would apply
+# the step over and over, so the parameter, the moments and the compute copy are restored after them.
 adamw_kernel = TritonKernel(
     _adamw_kernel, name="adamw",
     configs=[Config(BLOCK=b, num_warps=w) for b, w in ((4096, 8), (2048, 4), (8192, 8), (1024, 4))],
-    interpret_config=Config(BLOCK=256))
+    interpret_config=Config(BLOCK=256), restore=("p_ptr", "m_ptr", "v_ptr", "out_ptr"))
