@@ -69,7 +69,8 @@ class TrainConfig:
     # The drafter's matrix weights in the compute dtype: "autocast" = fp32 masters cast by autocast in every
     # forward (and the gradients cast back); "copies" = bf16 copies the forward runs with, written by the
     # optimizer step (trainer/compute_weights.py; single-process loop only; opt-in: on the H200 it removed
-    # 2 ms of casts per real-preset step and was not faster overall, 2026-12-02).
+    # 2 ms of casts per real-preset step and was not faster overall, 2026-12-02 and -03, but both runs had
+    # the AdamW tuning defect fixed on 2026-12-03: the A/B is to be repeated).
     compute_weights: str = "autocast"
     # The frozen target's feature forward replayed as CUDA graphs (Target.use_cuda_graphs): "auto" = for a
     # target on a CUDA device (never slower in four A/Bs on the H200, 2026-12-02: the host's launches of the
