@@ -112,6 +112,17 @@ CATEGORY_ORDER = ("gemm", "attention", "gdn", "conv", "loss", "norm/rope/activat
                   "other")
 
 
+def charted_tok_s_rows(path) -> dict:
+    """``{gpu: rows}`` of ``tok_s.jsonl`` that a chart may show: rows with tokens/s, except those of a
+    non-default trainer variant (tagged ``variant``) and those found invalid afterwards (tagged
+    ``defect``), which stay in the file."""
+    by_gpu = defaultdict(list)
+    for r in _read(path):
+        if isinstance(r.get("tok_s"), (int, float)) and "variant" not in r and "defect" not in r:
+            by_gpu[r.get("gpu", "?")].append(r)
+    return dict(by_gpu)
+
+
 def plot_tok_s(path, out_dir):
     """Per GPU, the newest session's rows: tokens/s per (preset, group) with each row's MFU, and, for
     the rows measured with ``--profile``, a stacked bar of the step's device time per category."""
@@ -119,14 +130,8 @@ def plot_tok_s(path, out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_gpu = defaultdict(list)
-    for r in _read(path):
-        # rows of a non-default trainer variant (tagged "variant") and rows found invalid afterwards
-        # (tagged "defect") are kept in the file, not charted
-        if isinstance(r.get("tok_s"), (int, float)) and "variant" not in r and "defect" not in r:
-            by_gpu[r.get("gpu", "?")].append(r)
     paths = []
-    for gpu, rows in by_gpu.items():
+    for gpu, rows in charted_tok_s_rows(path).items():
         everything = rows
         rows = latest_session(rows, lambda r: (r["preset"], r["group"]))
         profiled = _newest_profiles(everything, rows)
