@@ -135,11 +135,13 @@ def plot_tok_s(path, out_dir):
         everything = rows
         rows = latest_session(rows, lambda r: (r["preset"], r["group"]))
         profiled = _newest_profiles(everything, rows)
+        rows = _with_older_peers(everything, rows)  # the peers' bars, from an older run where this one has none
         ncols = 2 if profiled else 1
         fig, axes = plt.subplots(1, ncols, figsize=(2 + 1.6 * len(rows) + (2 + 1.3 * len(profiled) if profiled else 0),
                                                     4.5), squeeze=False)
         ax = axes[0][0]
-        names = [f"{r['preset']}\n{_wrap(r['group'])}" for r in rows]
+        names = [f"{r['preset']}\n{_wrap(r['group'])}" + (f"\n({r['label_date']})" if r.get("label_date") else "")
+                 for r in rows]
         bars = ax.bar(range(len(rows)), [r["tok_s"] for r in rows])
         for bar, r in zip(bars, rows):
             mfu = r.get("mfu")
@@ -152,7 +154,8 @@ def plot_tok_s(path, out_dir):
         ax.margins(y=0.18)
         if profiled:
             _plot_step_breakdown(axes[0][1], profiled)
-        fig.text(0.01, 0.01, f"torch {rows[0].get('torch')} | triton {rows[0].get('triton')} | {rows[-1]['date']}",
+        newest = max(r["date"] for r in rows if not r.get("label_date"))
+        fig.text(0.01, 0.01, f"torch {rows[0].get('torch')} | triton {rows[0].get('triton')} | {newest}",
                  fontsize=7)
         fig.tight_layout(rect=(0, 0.05, 1, 1))
         out = os.path.join(out_dir, f"tok_s-{gpu.replace(' ', '_')}.png")
@@ -172,6 +175,12 @@ def _has_profile(r):
 def _newest_profiles(everything, newest):
     """The breakdown's rows: per (preset, group), the newest row with a profile. The newest session's
     groups come first; a row from an older run is marked with its date (``step_breakdown``'s label)."""
+    return _with_older_peers(everything, newest, _has_profile)
+
+
+def _with_older_peers(everything, newest, usable=lambda r: True):
+    """Per (preset, group) of the newest session, its newest ``usable`` row; then (b) and the fastest (b+)
+    of those presets from older runs where the newest session has none, marked with their date."""
     latest = {}
     current = {(r["preset"], r["group"]) for r in newest}
     for r in everything:
@@ -180,7 +189,7 @@ def _newest_profiles(everything, newest):
         # the newest session ran
         wanted = key in current or ((r["group"] == "(b) peers" or r.get("b_plus_best"))
                                     and r["preset"] in {p for p, _ in current})
-        if wanted and _has_profile(r) and (key not in latest or r.get("date", "") > latest[key].get("date", "")):
+        if wanted and usable(r) and (key not in latest or r.get("date", "") > latest[key].get("date", "")):
             latest[key] = r
     order = [(r["preset"], r["group"]) for r in newest] + sorted(set(latest) - {(r["preset"], r["group"]) for r in newest})
     date = max((r.get("date", "") for r in newest), default="")

@@ -7,8 +7,10 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   attention, the target's Gated DeltaNet and short conv, the fused LM head + cross-entropy
   (``linear_cross_entropy``) as the loss, its fused ``rms_norm`` / ``apply_rope`` / ``swiglu`` in the
   drafter and the target (the trainer's default on a GPU; on a CPU the plain torch chains, where the
-  ops would run the interpreter), and torch's fused AdamW (``triton`` on a GPU; on a CPU the same
-  Triton kernels through Triton's interpreter);
+  ops would run the interpreter), and the trainer's ``compute_weights="auto"``: on a GPU in bf16 the
+  drafter runs on bf16 weight copies that the library's fused AdamW writes in its step (elsewhere fp32
+  weights under autocast and torch's fused AdamW) (``triton`` on a GPU; on a CPU the same Triton kernels
+  through Triton's interpreter);
 - (b) ``peers`` (``benchmarks/peers.py``): the drafter's attention as ``torch.compile(flex_attention)`` with a
   BlockMask rebuilt every step by ``torch.compile(create_block_mask)`` (anchors change every step;
   ``--flex-mask eager`` builds it eagerly, as the rows up to 2026-12-02 10:37 did), the target's GDN
@@ -17,8 +19,10 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch;
 - (e) (a) with the plain torch norm / RoPE / SwiGLU chains in the drafter and the target, for the A/B
   of those ops (``--groups a,e``; not in the default);
-- (m) (a) with ``compute_weights="copies"`` (bf16 weight copies written by the optimizer), an opt-in
-  change A/B'd against (a) (``--groups a,m``; not in the default); (n) (a) and (bn) (b) with the frozen
+- (k) (a) with ``compute_weights="autocast"`` (fp32 weights cast by autocast in every forward): the A/B of
+  the trainer's default ``"auto"``, which on a GPU in bf16 runs the drafter on bf16 weight copies written by
+  the optimizer step, as (a) does (``--groups a,k``); (m) (a) with ``"copies"`` explicitly (on a GPU the same
+  as (a); on the CPU (a) follows "auto", i.e. autocast); (n) (a) and (bn) (b) with the frozen
   target's feature forward run eagerly: every group follows the trainer's default
   (``TrainConfig.target_cuda_graphs="auto"``: the forward replayed as CUDA graphs on a GPU; trainer code,
   which every group shares), and these rows are its A/B (``--groups a,n`` / ``b,bn``); where the target
@@ -94,7 +98,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "bn", "bw", "c", "e", "m", "n", "r", "s", "w")
+GROUPS = ("a", "b", "b+", "bn", "bw", "c", "e", "k", "m", "n", "r", "s", "w")
 
 
 def parse_args(argv=None):
@@ -271,14 +275,16 @@ def group_plan(group: str, dev) -> dict:
     cpu = dev.type != "cuda"
     if group == "w" and cpu:
         return {"label": "(w) (a) with the drafter's step eager", "skip": "the A/B of the step's CUDA graphs: a GPU only"}
-    if group in ("a", "e", "m", "n", "r", "s", "w"):
+    if group in ("a", "e", "k", "m", "n", "r", "s", "w"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
-                "loss": "fused", "adamw": "fused", "elementwise": True}
+                "loss": "fused", "adamw": "auto", "elementwise": True}
         if group == "e":
             plan.update(label="(e) (a) with eager norm/RoPE/SwiGLU", elementwise=False)
         if group == "m":
             plan.update(label="(m) (a) with bf16 weight copies written by the step", adamw="copies")
+        if group == "k":
+            plan.update(label="(k) (a) with fp32 weights cast by autocast", adamw="fused")
         if group == "s":
             plan.update(label="(s) (a) with the split GDN forward", env={"DFLASH_KERNELS_GDN_FWD_SPLIT": "1"})
         if group == "n":
@@ -652,7 +658,10 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     row["elementwise"] = "fused" if drafter_model.FUSED_OPS else "eager"
     from trainer.compute_weights import make_optimizer
 
-    opt = make_optimizer(drafter, cfg, dtype, plan["adamw"])
+    kind = plan["adamw"]
+    if kind == "auto":  # the trainer's rule (TrainConfig.compute_weights="auto")
+        kind = "copies" if cfg.compute_weights_for(dev, dtype) == "copies" else "fused"
+    opt = make_optimizer(drafter, cfg, dtype, kind)
     row["loss_path"] = cfg.loss
     row["adamw"] = ("copies" if not isinstance(opt, torch.optim.AdamW) else
                     "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "default")

@@ -53,6 +53,12 @@ class MasterAdamW(torch.optim.Optimizer):
     into a CUDA graph. :meth:`step_with_clip` folds the gradient clip into the kernel
     (``trainer.step.clip_and_step`` calls it)."""
 
+    # The dtype of a device-tensor learning rate (trainer.step_graph.DrafterStep makes one): fp64, so that
+    # the capturable step's hyperparameters (fp64 on the device, then fp32) equal the host path's (Python
+    # floats, then fp32). With an fp32 lr the two paths' step sizes differ by an fp32 rounding, enough to flip
+    # a few bf16 roundings of the compute copies: the tiny preset's loss at step 6 moved by 1e-4 (CPU, 2026-12-03).
+    lr_dtype = torch.float64
+
     def __init__(self, params, compute_weights: ComputeWeights = None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, capturable: bool = False):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -117,13 +123,38 @@ class MasterAdamW(torch.optim.Optimizer):
                              compute_copies=leaves if any(c is not None for c in leaves) else None)
         return loss
 
+    def precompile_specs(self, max_norm: float) -> list:
+        """The ``dflash_kernels.precompile`` specs of the kernels :meth:`step_with_clip` (``max_norm``) will
+        launch, as the groups are set now (``capturable`` included): compiled and tuned on scratch tensors
+        before the loop's strict mode, never on the live parameters (the step is in place)."""
+        specs = []
+        for group in self.param_groups:
+            on_device = bool(group.get("capturable")) or isinstance(group["lr"], torch.Tensor)
+            seen, tensors = set(), []
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                leaf = self.compute_weights.of.get(p) if self.compute_weights is not None else None
+                entry = (p.numel(), p.dtype, None) if leaf is None else (p.numel(), leaf.dtype, leaf.dtype)
+                if entry[0] and entry not in seen:
+                    seen.add(entry)
+                    tensors.append(dict(numel=entry[0], grad_dtype=entry[1], copy_dtype=entry[2]))
+            if tensors:
+                specs.append(("adamw", dict(tensors=tensors, grad_scale=max_norm > 0, device_hparams=on_device),
+                              torch.float32))
+        return specs
+
     def step_with_clip(self, max_norm: float) -> torch.Tensor:
         """clip_grad_norm_'s total norm and coefficient (``min(1, max_norm / (norm + 1e-6))``), applied inside
-        the step's kernel as the gradient scale ``1 / coef``; returns the norm (a device tensor)."""
+        the step's kernel as the gradient scale ``1 / coef``; returns the norm (a device tensor). ``max_norm <= 0``:
+        no clipping (the norm still returned)."""
         grads = self.grads()
         if not grads:
             return torch.zeros(())
         norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)), 2)
+        if max_norm <= 0:
+            self.step()
+            return norm
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         self.grad_scale = (1.0 / coef).reshape(1)
         try:

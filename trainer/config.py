@@ -16,7 +16,7 @@ DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser
 
 
 LOSS_PATHS = ("fused", "logits", "chunked")  # TrainConfig.loss
-COMPUTE_WEIGHTS = ("autocast", "copies")  # TrainConfig.compute_weights
+COMPUTE_WEIGHTS = ("auto", "autocast", "copies")  # TrainConfig.compute_weights
 TARGET_GRAPHS = ("auto", "on", "off")  # TrainConfig.target_cuda_graphs and step_cuda_graphs
 
 
@@ -60,7 +60,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.0  # final lr / peak lr
     weight_decay: float = 0.0  # AdamW weight decay
     betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
-    grad_clip: float = 1.0  # max global gradient norm
+    grad_clip: float = 1.0  # max global gradient norm; <= 0: no clipping (the norm is still logged)
     # LM head + loss: "fused" = dflash_kernels.linear_cross_entropy (the logits never exist; frozen
     # head: no weight-gradient GEMM); "logits" = the whole [rows, vocab] logits then torch's
     # cross-entropy (the path of a trainer without the library); "chunked" = plain torch in row chunks
@@ -68,10 +68,11 @@ class TrainConfig:
     loss: str = "fused"
     # The drafter's matrix weights in the compute dtype: "autocast" = fp32 masters cast by autocast in every
     # forward (and the gradients cast back); "copies" = bf16 copies the forward runs with, written by the
-    # optimizer step (trainer/compute_weights.py; single-process loop only; opt-in: on the H200 it removed
-    # 2 ms of casts per real-preset step and was not faster overall, 2026-12-02 and -03, but both runs had
-    # the AdamW tuning defect fixed on 2026-12-03: the A/B is to be repeated).
-    compute_weights: str = "autocast"
+    # optimizer step (trainer/compute_weights.py; the single-process loop only); "auto" = "copies" for the
+    # single-process loop on a CUDA device in a 16-bit dtype, else "autocast" (compute_weights_for). On the
+    # H200 (tok_s (m) against (a), 2026-12-03, alternating, after the AdamW tuning fix): real 133.8 -> 131.4 ms
+    # per step (copies/casts 4.8 -> 2.4 ms), the same loss curve (embedded, 128 steps), +1.2 GiB reserved.
+    compute_weights: str = "auto"
     # The frozen target's feature forward replayed as CUDA graphs (Target.use_cuda_graphs): "auto" = for a
     # target on a CUDA device (never slower in four A/Bs on the H200, 2026-12-02: the host's launches of the
     # target's many small kernels leave the step), "on" = required (refused off CUDA), "off" = eager.
@@ -111,6 +112,15 @@ class TrainConfig:
             raise ValueError(f"compute_weights: expected one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
         if self.loss not in LOSS_PATHS:
             raise ValueError(f"loss: unknown {self.loss!r}; choose one of {list(LOSS_PATHS)}")
+
+    def compute_weights_for(self, device, dtype, pipeline: bool = False) -> str:
+        """"autocast" or "copies" for a drafter on ``device`` in ``dtype`` (``pipeline``: trainer.pipeline,
+        which runs "autocast" only; an explicit "copies" is refused there by name)."""
+        if self.compute_weights != "auto":
+            return self.compute_weights
+        cuda = str(device).startswith("cuda")
+        half = str(dtype) in ("torch.bfloat16", "torch.float16", "bfloat16", "float16")
+        return "copies" if cuda and not pipeline and half else "autocast"
 
     def target_graphs_on(self, device) -> bool:
         """Whether the target on ``device`` (a ``torch.device`` or its string) replays its feature forward

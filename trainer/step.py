@@ -103,7 +103,11 @@ def clip_and_step(opt: torch.optim.Optimizer, params, max_norm: float) -> torch.
         return opt.step_with_clip(max_norm)
     params = [p for p in params if p.grad is not None]
     fused = all(g.get("fused") for g in opt.param_groups)
-    if not fused or max_norm <= 0 or not params:
+    if max_norm <= 0:  # no clipping (HF Trainer's max_grad_norm <= 0); the norm is still reported
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0) if params else torch.zeros(())
+        opt.step()
+        return norm
+    if not fused or not params:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         opt.step()
         return norm

@@ -80,7 +80,9 @@ class DrafterStep:
             g["capturable"] = True
             lr = g["lr"]
             if not (isinstance(lr, torch.Tensor) and lr.device == self.dev):
-                g["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=self.dev)
+                # fp32 for torch's AdamW; MasterAdamW asks for fp64, the host path's precision (lr_dtype)
+                dtype = getattr(self.opt, "lr_dtype", torch.float32)
+                g["lr"] = torch.tensor(float(lr), dtype=dtype, device=self.dev)
         for state in self.opt.state.values():  # a restored non-capturable state keeps its step counts on the host
             if isinstance(state.get("step"), torch.Tensor) and state["step"].device != self.dev:
                 state["step"] = state["step"].to(self.dev, torch.float32)

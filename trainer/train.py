@@ -60,8 +60,13 @@ __all__ = ["train", "build_drafter", "resolve_paths", "resolve_device", "lr_lamb
            "add_run_flags"]
 
 
-def _precompile(cfg: TrainConfig, drafter, dev, dtype, log):
-    rep = dk.precompile(attention_precompile_specs(cfg, drafter.config, dtype), devices=[dev])
+def _precompile(cfg: TrainConfig, drafter, opt, dev, dtype, log):
+    """The attention kernels at the run's shapes and, for compute_weights="copies", the optimizer's: the
+    warm-up step below runs no optimizer step, and the loop runs in strict mode."""
+    specs = list(attention_precompile_specs(cfg, drafter.config, dtype))
+    if hasattr(opt, "precompile_specs"):  # trainer.compute_weights.MasterAdamW (dflash_kernels' AdamW)
+        specs += opt.precompile_specs(cfg.grad_clip)
+    rep = dk.precompile(specs, devices=[dev])
     log(f"precompile: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")
 
 
@@ -102,7 +107,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     drafter = build_drafter(cfg, target, mask_id).to(dev)
     n_params = sum(p.numel() for p in drafter.parameters())
     total = cfg.steps or cfg.epochs * steps_per_epoch(len(ds), cfg.batch_size)
-    opt = make_optimizer(drafter, cfg, dtype, "copies" if cfg.compute_weights == "copies" else "fused")
+    opt = make_optimizer(drafter, cfg, dtype, "copies" if cfg.compute_weights_for(dev, dtype) == "copies" else "fused")
     cw = getattr(drafter, "compute_weights", None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup_ratio, cfg.min_lr_ratio))
     ckpt_path = os.path.join(cfg.out_dir, CHECKPOINT_NAME)
@@ -114,7 +119,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         saved = None  # the CPU copy of every state is not needed any more
         log(f"resume: from step {step} of {resume_from}")
     log(f"drafter: {n_params / 1e6:.2f}M trainable parameters, {cfg.num_layers} layers; {len(ds)} sequences, "
-        f"{total} steps on {dev} ({dtype})")
+        f"{total} steps on {dev} ({dtype}); weights: "
+        + (f"{cw.dtype} copies written by the optimizer step" if cw is not None else "fp32, cast by autocast"))
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     # the drafter's half of each step (after the scheduler exists: it keeps the float base lr)
     dstep = DrafterStep(drafter, target, opt, cfg, dev, dtype, graphs=cfg.step_graphs_on(dev))
@@ -122,7 +128,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         log("step: the drafter's forward, backward and optimizer step as CUDA graphs (one per batch shape, "
             "captured at its second step)")
     if dev.type == "cuda":
-        _precompile(cfg, drafter, dev, dtype, log)
+        _precompile(cfg, drafter, opt, dev, dtype, log)
         # The target's own kernels (Gated DeltaNet, conv of a hybrid) are compiled by one real
         # forward/backward before strict mode; its gradients are dropped and nothing is stepped.
         t0 = time.perf_counter()

@@ -189,10 +189,15 @@ class TritonKernel:
         from the pattern, and the caller falls back to the generic key. Returns None (no fast path)
         for argument types it does not know.
         """
-        conds, items, namespace = [], [], {}
+        conds, items, namespace = [], [], {"_Tensor": torch.Tensor}
         for i, (name, a) in enumerate(zip(self.runtime_names, args)):
-            namespace[f"_T{i}"] = type(a)
-            conds.append(f"type(a{i}) is _T{i}")
+            if isinstance(a, torch.Tensor):
+                # Any tensor subclass (an nn.Parameter): Triton treats them alike, and the first call must not
+                # decide the key's form (a precompile on plain tensors, then the real call on parameters).
+                conds.append(f"isinstance(a{i}, _Tensor)")
+            else:
+                namespace[f"_T{i}"] = type(a)
+                conds.append(f"type(a{i}) is _T{i}")
             if isinstance(a, torch.Tensor):
                 items.append(f"a{i}.dtype")
                 if name not in self._dnsa and i not in self._dnsa:

@@ -99,3 +99,23 @@ def test_step_breakdown_fills_in_b_and_b_plus_from_an_older_run():
     assert labels == ["real\n(a) dflash_kernels", "real\n(b) peers\n(2026-12-01 21:46)",
                       "real\n(b+) liger-ew\n(2026-12-01 21:46)"]
     assert rows[0]["date"] == new
+
+
+def test_tok_s_bars_fill_in_the_peers_from_an_older_run():
+    """An A/B run without the peers ((a) against a variant) keeps (b) and the fastest (b+) on the tokens/s
+    chart from the newest older run, marked with their date; an older (a) and other stacks are not shown."""
+    import plot
+    old, new = "2026-12-03T16:59:43+00:00", "2026-12-03T20:02:08+00:00"
+    everything = [
+        dict(preset="real", group="(a) dflash_kernels", date=old, tok_s=22386.0),
+        dict(preset="real", group="(b) peers", date=old, tok_s=14630.0),
+        dict(preset="real", group="(b+) liger-ew", date=old, tok_s=17101.0, b_plus_best=True),
+        dict(preset="real", group="(b+) cce", date=old, tok_s=15000.0),
+        dict(preset="embedded", group="(b) peers", date=old, tok_s=137015.0),  # a preset the new run did not run
+        dict(preset="real", group="(a) dflash_kernels", date=new, tok_s=22829.0),
+        dict(preset="real", group="(m) copies", date=new, tok_s=23333.0),
+    ]
+    rows = plot._with_older_peers(everything, everything[-2:])
+    assert [(r["group"], r.get("label_date")) for r in rows] == [
+        ("(a) dflash_kernels", None), ("(m) copies", None), ("(b) peers", "2026-12-03 16:59"),
+        ("(b+) liger-ew", "2026-12-03 16:59")]

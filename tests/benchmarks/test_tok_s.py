@@ -345,6 +345,17 @@ def test_groups_w_and_bw_step_eagerly():
         assert bw["step_graphs"] is False and bw["flex"]
 
 
+def test_groups_k_and_m_set_the_compute_weights():
+    """(a) follows the trainer's compute_weights="auto" (bf16 copies on a GPU in bf16); (k) is (a) with
+    autocast's casts, (m) with the copies asked for explicitly; nothing else differs."""
+    cuda = torch.device("cuda")
+    a, k, m = (tok_s.group_plan(g, cuda) for g in ("a", "k", "m"))
+    assert (a["adamw"], k["adamw"], m["adamw"]) == ("auto", "fused", "copies")
+    for plan in (k, m):
+        assert {key: v for key, v in plan.items() if key not in ("label", "adamw")} == \
+            {key: v for key, v in a.items() if key not in ("label", "adamw")}
+
+
 def test_group_s_sets_the_split_gdn_forward_for_its_row_only(monkeypatch):
     """(s) is (a) with DFLASH_KERNELS_GDN_FWD_SPLIT=1 while its row runs (the library reads it at each
     call), restored after the row, also when the row fails."""

@@ -115,6 +115,72 @@ def test_tuning_restores_what_the_step_updates():
     assert restored == {"p_ptr", "m_ptr", "v_ptr", "out_ptr"}
 
 
+def _real_step(device_hparams, dev):
+    """One step as the trainer's copies path takes it: a 2-D weight with a bf16 gradient and compute copy, a
+    1-D one with an fp32 gradient and none, the clip's scale, lr / step on the host or the device."""
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randn(37, 5, generator=g).to(dev), torch.randn(129, generator=g).to(dev)]
+    gs = [torch.randn(37, 5, generator=g).to(dev, torch.bfloat16), torch.randn(129, generator=g).to(dev)]
+    ms, vs = [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps]
+    cs = [torch.full((37, 5), float("nan"), device=dev, dtype=torch.bfloat16), None]  # poisoned
+    if device_hparams:
+        lr, step = torch.full((1,), 1e-2, device=dev), [torch.ones((), device=dev) for _ in ps]
+    else:
+        lr, step = 1e-2, 1
+    ref = [p.clone() for p in ps]
+    fused_adamw_(ps, gs, ms, vs, lr=lr, step=step, grad_scale=torch.full((1,), 2.0, device=dev),
+                 compute_copies=cs)
+    naive_adamw_(ref, [x.float() / 2 for x in gs], [torch.zeros_like(p) for p in ref],
+                 [torch.zeros_like(p) for p in ref], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                 step=1)
+    return ps, cs, ref
+
+
+@pytest.mark.parametrize("device_hparams", [False, True], ids=["host_lr", "device_lr"])
+def test_precompile_then_strict(device_hparams):
+    """``precompile("adamw", ...)`` compiles on scratch tensors exactly the kernels a real step launches (the
+    trainer precompiles its MasterAdamW step this way before its strict loop): without it the step is
+    refused in strict mode, after it the step runs and matches the reference."""
+    import dflash_kernels as dk
+    from dflash_kernels.runtime.errors import KernelCacheMiss
+
+    dev = device()
+    dk.reset_cache()
+    with dk.strict(), pytest.raises(KernelCacheMiss, match="adamw"):
+        _real_step(device_hparams, dev)
+    spec = dict(tensors=[dict(numel=185, grad_dtype="bfloat16", copy_dtype=torch.bfloat16), dict(numel=129)],
+                grad_scale=True, device_hparams=device_hparams)
+    report = dk.precompile([("adamw", spec, torch.float32)], devices=[dev], verbose=False)
+    assert {k[0] for k in report["keys"]} == {"adamw"} and len(report["keys"]) == 2, report["keys"]
+    with dk.strict():
+        ps, cs, ref = _real_step(device_hparams, dev)
+    for p, r in zip(ps, ref):
+        assert rel_err(p, r) < 1e-6
+    assert rel_err(cs[0].float(), ref[0]) < 1e-2
+
+
+def test_device_hparams_rows_are_16_byte_aligned():
+    """Each parameter's row of the device hyperparameters starts 16-byte aligned: the kernel's key holds its
+    pointers' alignment, so with 12-byte rows it depended on the parameter's index in the list, and a
+    precompile (scratch tensors, one per size) missed the real step's keys (a strict-mode failure on the GPU)."""
+    from dflash_kernels.ops.adamw.adamw import device_hparams
+    hp = device_hparams(7, torch.tensor([1e-3], device=device()), [torch.ones((), device=device())] * 7, 0.9, 0.99,
+                        0.1, device())
+    assert hp.shape == (7, 4) and all(hp[i].data_ptr() % 16 == 0 for i in range(7))
+    assert torch.allclose(hp[0, :3], torch.tensor([1 - 1e-4, 1e-3 / 0.1, 0.01 ** 0.5], device=device()))
+
+
+@pytest.mark.parametrize("spec,match", [
+    (dict(), r"shape\['tensors'\]: expected a non-empty list"),
+    (dict(tensors=[dict(numel=0)]), r"shape\['tensors'\]\[0\]\['numel'\]: expected an int >= 1, got 0"),
+    (dict(tensors=[dict(numel=8, grad_dtype="bf16")]), r"\['grad_dtype'\]: expected a torch dtype or its name, got 'bf16'"),
+])
+def test_precompile_bad_spec(spec, match):
+    import dflash_kernels as dk
+    with pytest.raises(ValueError, match=match):
+        dk.precompile([("adamw", spec, torch.float32)], devices=[device()], verbose=False)
+
+
 BAD = [
     (lambda a: dict(a, params=[a["params"][0].double()]), TypeError, r"params\[0\]: dtype torch.float64"),
     (lambda a: dict(a, grads=[a["grads"][0][:-1]]), ValueError, r"grads\[0\]: shape"),

@@ -357,6 +357,12 @@ def test_fast_key_matches_triton_specialization():
     # A type the first call did not have (None where a tensor was) is not answered by the fast key.
     assert fast(*(args()[:2] + (None,) + args()[3:])) is None
     assert fast(*(args()[:7] + (40.0,) + args()[8:])) is None
+    # A tensor subclass (nn.Parameter) is a tensor to Triton and to the key, whichever came first: a
+    # precompile on plain tensors must serve the real call on parameters (strict mode's trainer loop).
+    pw = torch.nn.Parameter(w)
+    with_param = args(w=pw)
+    assert fast(*with_param) == fast(*args())
+    assert kernel._make_fast_spec(with_param)(*args()) == fast(*args())
 
 
 def test_config_that_does_not_fit_falls_to_the_next(monkeypatch):

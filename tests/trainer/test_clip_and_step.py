@@ -56,3 +56,30 @@ def test_unclipped_fused_step_is_exact():
         ob.zero_grad()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_max_norm_zero_means_no_clipping():
+    """grad_clip <= 0 turns clipping off (HF Trainer's max_grad_norm <= 0), where clip_grad_norm_(params, 0)
+    would zero every gradient: the step is AdamW's on the raw gradients and the norm is still returned."""
+    from trainer.compute_weights import ComputeWeights, MasterAdamW
+
+    a, b = _models()
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2)
+    x = torch.randn(16, 32) * 10  # a norm far above 1
+    a(x).square().mean().backward()
+    b(x).square().mean().backward()
+    expect = torch.nn.utils.get_total_norm([p.grad for p in a.parameters()])
+    oa.step()
+    norm = clip_and_step(ob, b.parameters(), 0.0)
+    assert float(expect) > 10 and torch.allclose(norm, expect)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    c, _ = _models()
+    cw = ComputeWeights(c, torch.float32)  # fp32 leaves: MasterAdamW's path, compared with torch's AdamW
+    oc = MasterAdamW(c.parameters(), cw, lr=1e-2, weight_decay=0.01)  # torch.optim.AdamW's default
+    cw(c, x).square().mean().backward()
+    norm = clip_and_step(oc, c.parameters(), 0.0)
+    assert torch.allclose(norm, expect, rtol=1e-5)
+    for p, q in zip(a.parameters(), c.parameters()):
+        assert (p - q).abs().max() <= 1e-6 * p.abs().max()

@@ -90,11 +90,11 @@ def test_capturable_mode_takes_the_same_steps():
     cw, cw2 = ComputeWeights(model), ComputeWeights(other)
     opt = MasterAdamW(model.parameters(), cw, lr=1e-2, weight_decay=0.1)
     opt2 = MasterAdamW(other.parameters(), cw2, lr=1e-2, weight_decay=0.1, capturable=True)
-    opt2.param_groups[0]["lr"] = torch.tensor(1e-2)
+    opt2.param_groups[0]["lr"] = torch.tensor(1e-2, dtype=MasterAdamW.lr_dtype)  # as DrafterStep makes it
     _run(model, opt, cw)
     _run(other, opt2, cw2)
     for (name, p), q in zip(model.named_parameters(), other.parameters()):
-        assert (p - q).abs().max() <= 1e-6 * p.abs().max(), name
+        assert torch.equal(p, q), name  # fp64 lr: the same fp32 hyperparameters, the same steps bit for bit
     for p, q in zip(model.parameters(), other.parameters()):
         a, b = opt.state[p], opt2.state[q]
         assert float(a["step"]) == float(b["step"]) == 6.0
@@ -103,6 +103,77 @@ def test_capturable_mode_takes_the_same_steps():
     opt3 = MasterAdamW(copy.deepcopy(other).parameters(), None, lr=1e-2)
     opt3.load_state_dict(state)  # the saved group was capturable: its counts stay tensors of the parameters' device
     assert opt3.param_groups[0]["capturable"] and all(st["step"].dim() == 0 for st in opt3.state.values())
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 0.0], ids=["clip", "no_clip"])
+@pytest.mark.parametrize("capturable", [False, True], ids=["host_counts", "capturable"])
+def test_precompile_specs_cover_the_step(capturable, max_norm):
+    """trainer.train precompiles MasterAdamW's kernels from precompile_specs before its strict loop (the warm-up
+    step runs no optimizer step): after the cache is emptied and only those specs compiled, step_with_clip
+    runs in strict mode; without them it is refused."""
+    import dflash_kernels as dk
+    from dflash_kernels.runtime.errors import KernelCacheMiss
+
+    from tests.helpers import device, require_triton_kernels
+
+    require_triton_kernels("adamw")  # the CPU without the interpreter runs torch's math: nothing to compile
+    dev = device()
+    torch.manual_seed(0)
+    model = Toy().to(dev)
+    cw = ComputeWeights(model)
+    opt = MasterAdamW(model.parameters(), cw, lr=1e-2, capturable=capturable)
+    if capturable:
+        opt.param_groups[0]["lr"] = torch.tensor(1e-2, device=dev)
+    specs = opt.precompile_specs(max_norm)
+    (op, shape, dtype), = specs
+    assert op == "adamw" and dtype == torch.float32
+    assert shape["grad_scale"] == (max_norm > 0) and shape["device_hparams"] == capturable
+    assert sorted((t["numel"], t["copy_dtype"]) for t in shape["tensors"]) == [
+        (8, None), (96, None), (768, torch.bfloat16), (4608, torch.bfloat16)]  # b.bias, norm, b.weight, a.weight
+
+    def one_step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            y = cw(model, torch.randn(32, 48, device=dev), scale=2.0)
+        y.float().square().mean().backward()
+        norm = opt.step_with_clip(max_norm)
+        opt.zero_grad(set_to_none=True)
+        return norm
+
+    dk.reset_cache()
+    with dk.strict(), pytest.raises(KernelCacheMiss, match="adamw"):
+        one_step()
+    opt.state.clear()  # the refused step's counts (it raised before any update)
+    dk.precompile(specs, devices=[dev], verbose=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with dk.strict():
+        norm = one_step()
+    assert torch.isfinite(norm) and float(norm) > 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_auto_is_copies_for_the_single_process_loop_on_a_gpu_in_16_bits():
+    from trainer.config import preset
+
+    cfg = preset("tiny")
+    assert cfg.compute_weights == "auto"
+    assert cfg.compute_weights_for("cuda:0", torch.bfloat16) == "copies"
+    assert cfg.compute_weights_for(torch.device("cuda", 1), torch.float16) == "copies"
+    assert cfg.compute_weights_for("cuda", torch.float32) == "autocast"  # nothing to copy
+    assert cfg.compute_weights_for("cpu", torch.bfloat16) == "autocast"
+    assert cfg.compute_weights_for("cuda", torch.bfloat16, pipeline=True) == "autocast"
+    for explicit in ("autocast", "copies"):
+        c = preset("tiny", compute_weights=explicit)
+        assert c.compute_weights_for("cpu", torch.float32) == c.compute_weights_for("cuda", torch.bfloat16) == explicit
+    with pytest.raises(ValueError, match="compute_weights: expected one of .*'sometimes'"):
+        preset("tiny", compute_weights="sometimes")
+
+
+def test_the_pipeline_refuses_explicit_copies_by_name():
+    from trainer.config import preset
+    from trainer.pipeline import run_pipeline
+
+    with pytest.raises(ValueError, match="compute_weights: 'copies' is supported by the single-process loop only"):
+        run_pipeline(preset("tiny", compute_weights="copies", target_gpus="cpu"))
 
 
 @pytest.mark.parametrize("bad", ["lr"])

@@ -175,10 +175,14 @@ def test_graphed_steps_are_the_eager_ones(tiny_qwen35_dir, dtype, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("compute_weights", ["autocast", "copies"])
 def test_training_with_step_graphs_gives_the_same_losses(tmp_path, tiny_qwen35_dir, counting_data, compute_weights):
+    """trainer.train with and without the step's graphs. Each run starts from an empty kernel cache, as a
+    fresh process does: its loop runs in strict mode, so a kernel its set-up did not precompile fails it
+    (MasterAdamW's, before the trainer precompiled it: the warm-up step runs no optimizer step)."""
     from trainer.train import train
 
     losses = {}
     for flag in ("off", "on"):
+        dk.reset_cache()
         out = tmp_path / f"run-{flag}"
         cfg = preset("tiny", target=tiny_qwen35_dir, data=counting_data, out_dir=str(out), steps=6, device="cuda",
                      step_cuda_graphs=flag, save_interval=3, compute_weights=compute_weights)

@@ -6,7 +6,7 @@ import math
 import torch
 
 from dflash_kernels.ops.adamw.kernels import adamw_kernel
-from dflash_kernels.runtime import Op, bucket, cdiv
+from dflash_kernels.runtime import Op, bucket, cdiv, register_precompile
 
 __all__ = ["fused_adamw_", "device_hparams"]
 
@@ -73,9 +73,11 @@ def _check_device_scalar(name, t, dev):
 
 
 def device_hparams(n, lr, step, beta1, beta2, weight_decay, device):
-    """``[n, 3]`` fp32 rows ``(1 - lr * wd, lr / bc1, sqrt(bc2))`` computed on ``device`` from a device-tensor
+    """``[n, 4]`` fp32 rows ``(1 - lr * wd, lr / bc1, sqrt(bc2), 0)`` computed on ``device`` from a device-tensor
     ``lr`` and/or ``step`` (one tensor, or one per parameter): a few small kernels, no read-back. The bias
-    corrections ``1 - beta ** step`` in fp64, as torch's capturable fused AdamW computes them."""
+    corrections ``1 - beta ** step`` in fp64, as torch's capturable fused AdamW computes them. Four columns,
+    not three: every row starts 16-byte aligned, so the kernel's key (which holds its pointers' alignment)
+    is the same for every parameter, whatever its index in the list (as a precompile's scratch list has it)."""
     f64 = dict(dtype=torch.float64, device=device)
     if isinstance(step, (list, tuple)):
         s = torch.stack([t.reshape(()) for t in step]).to(**f64)
@@ -86,7 +88,8 @@ def device_hparams(n, lr, step, beta1, beta2, weight_decay, device):
     lr = lr.reshape(()).to(**f64) if isinstance(lr, torch.Tensor) else torch.tensor(float(lr), **f64)
     bc1 = 1 - torch.pow(beta1, s)
     bc2 = 1 - torch.pow(beta2, s)
-    return torch.stack([(1 - lr * weight_decay).expand(n), lr / bc1, bc2.sqrt()], 1).to(torch.float32)
+    return torch.stack([(1 - lr * weight_decay).expand(n), lr / bc1, bc2.sqrt(), torch.zeros_like(bc1)],
+                       1).to(torch.float32)
 
 
 @_op.impl("reference")
@@ -140,3 +143,42 @@ def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0
         return
     _op(params[0].device, params, grads, exp_avgs, exp_avg_sqs, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
         weight_decay=weight_decay, step=step, grad_scale=grad_scale, compute_copies=compute_copies)
+
+
+def _dtype(name, x):
+    if x is None or isinstance(x, torch.dtype):
+        return x
+    if isinstance(x, str) and isinstance(getattr(torch, x.removeprefix("torch."), None), torch.dtype):
+        return getattr(torch, x.removeprefix("torch."))
+    raise ValueError(f"{name}: expected a torch dtype or its name, got {x!r}")
+
+
+@register_precompile("adamw")
+def _precompile_adamw(shape: dict, dtype, device, backward: bool):
+    """Run one step on scratch tensors (never on live parameters: the step is in place). ``shape``:
+    ``tensors``, a list of ``{"numel", "grad_dtype" (default ``dtype``), "copy_dtype" (default None: no
+    compute copy)}``, one per parameter as the real step passes them; ``grad_scale`` (bool, default False)
+    and ``device_hparams`` (bool, default False: lr and step as host numbers; True: device tensors, the
+    capturable step). ``dtype`` is the parameters' (fp32). Kernels are cached per size bucket, so
+    ``tensors`` needs one entry per distinct (size bucket, grad dtype, copy dtype), not per parameter."""
+    tensors = shape.get("tensors")
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError(f"shape['tensors']: expected a non-empty list of {{'numel': ...}}, got {tensors!r}")
+    ps, gs, cs = [], [], []
+    for i, t in enumerate(tensors):
+        n = t.get("numel") if isinstance(t, dict) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"shape['tensors'][{i}]['numel']: expected an int >= 1, got {n!r}")
+        gd = _dtype(f"shape['tensors'][{i}]['grad_dtype']", t.get("grad_dtype", dtype))
+        cd = _dtype(f"shape['tensors'][{i}]['copy_dtype']", t.get("copy_dtype"))
+        ps.append(torch.zeros(n, dtype=dtype, device=device))
+        gs.append(torch.zeros(n, dtype=gd, device=device))
+        cs.append(None if cd is None else torch.empty(n, dtype=cd, device=device))
+    scale = torch.ones(1, dtype=torch.float32, device=device) if shape.get("grad_scale") else None
+    if shape.get("device_hparams"):
+        lr = torch.full((1,), 1e-3, dtype=torch.float32, device=device)
+        step = [torch.ones((), dtype=torch.float32, device=device) for _ in ps]
+    else:
+        lr, step = 1e-3, 1
+    fused_adamw_(ps, gs, [torch.zeros_like(p) for p in ps], [torch.zeros_like(p) for p in ps], lr=lr, step=step,
+                 grad_scale=scale, compute_copies=cs if any(c is not None for c in cs) else None)
