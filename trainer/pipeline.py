@@ -655,7 +655,7 @@ def run_pipeline(cfg: TrainConfig, resume: bool = False, log: RunLog = None, sto
     Raises:
         trainer.supervise.WorkerFailed: a worker raised (its traceback is in the log and in ``.tb``).
     """
-    if cfg.compute_weights_for("cuda", "bfloat16", pipeline=True) != "autocast":  # an explicit "copies"
+    if cfg.compute_weights == "copies":  # "auto" runs autocast here (TrainConfig.compute_weights_for)
         raise ValueError(f"compute_weights: {cfg.compute_weights!r} is supported by the single-process loop only "
                          f"so far; the pipeline runs with 'autocast'")
     log = log or get_log()

@@ -195,14 +195,13 @@ class TritonKernel:
                 # Any tensor subclass (an nn.Parameter): Triton treats them alike, and the first call must not
                 # decide the key's form (a precompile on plain tensors, then the real call on parameters).
                 conds.append(f"isinstance(a{i}, _Tensor)")
-            else:
-                namespace[f"_T{i}"] = type(a)
-                conds.append(f"type(a{i}) is _T{i}")
-            if isinstance(a, torch.Tensor):
                 items.append(f"a{i}.dtype")
                 if name not in self._dnsa and i not in self._dnsa:
                     items.append(f"a{i}.data_ptr() & 15 == 0")
-            elif type(a) is int:
+                continue
+            namespace[f"_T{i}"] = type(a)
+            conds.append(f"type(a{i}) is _T{i}")
+            if type(a) is int:
                 if name not in self._dns and i not in self._dns:
                     items += [f"a{i} == 1", f"a{i} & 15 == 0"]
                 items.append(f"(0 if -2147483648 <= a{i} <= 2147483647 else 1 if a{i} < 9223372036854775808 else 2)")
