@@ -285,7 +285,7 @@ def role_flops(setup, batch) -> dict:
     cfg = setup.cfg
     with torch.device("meta"):
         drafter = build_drafter(cfg, setup.target, setup.target.vocab_size - 1)
-    parts = step_flops(setup.target.model, drafter, batch)
+    parts = step_flops(setup.target.model, drafter, batch, setup.target.layers_run)
     return {"target": parts["target_fwd"], "drafter": parts["total"] - parts["target_fwd"]}
 
 

@@ -715,7 +715,7 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
             timed.append(batch)  # its FLOPs are counted after the clock stops (host work, not the step's)
     _sync(dev)
     elapsed = time.perf_counter() - t_timed
-    flops = sum(step_flops(target.model, drafter, b)["total"] for b in timed)
+    flops = sum(step_flops(target.model, drafter, b, target.layers_run)["total"] for b in timed)
     row.update(steps=steps, tokens_per_step=tokens // max(steps, 1), tok_s=tokens / elapsed,
                ms_step=elapsed / steps * 1e3, model_TFLOP_step=flops / steps / 1e12, mfu=mfu(flops, elapsed))
     row["peak_GiB"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")

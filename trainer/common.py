@@ -9,6 +9,7 @@ import resource
 import torch
 
 from trainer.config import TrainConfig
+from trainer.flops import mfu
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.target import Target
 
@@ -93,10 +94,15 @@ def fmt_eta(sec: float) -> str:
 
 
 def step_log_line(window: list, step: int, total: int, dev) -> str:
-    """The interval's log line from its per-step records (``metrics.jsonl`` rows)."""
+    """The interval's log line from its per-step records (``metrics.jsonl`` rows). On a GPU, records that
+    carry their model TFLOP (``tflop``) add the interval's MFU against 989 TFLOP/s (``trainer.flops``)."""
     ms = sum(r["ms"] for r in window) / len(window)
-    tok_s = sum(r["tokens"] for r in window) / (sum(r["ms"] for r in window) / 1e3)
+    seconds = sum(r["ms"] for r in window) / 1e3
+    tok_s = sum(r["tokens"] for r in window) / seconds
+    util = ""
+    if dev.type == "cuda" and all("tflop" in r for r in window):
+        util = f" | MFU {mfu(sum(r['tflop'] for r in window) * 1e12, seconds):.1%}"
     return (f"step {step}/{total} | loss {sum(r['loss'] for r in window) / len(window):.4f} | "
             f"acc {sum(r['acc'] for r in window) / len(window):.3f} | lr {window[-1]['lr']:.2e} | "
-            f"{tok_s:,.0f} tok/s | {ms:.0f} ms/step | peak {peak_mem_gib(dev):.2f} GiB | "
+            f"{tok_s:,.0f} tok/s | {ms:.0f} ms/step{util} | peak {peak_mem_gib(dev):.2f} GiB | "
             f"eta {fmt_eta((total - step) * ms / 1e3)}")

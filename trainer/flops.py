@@ -5,8 +5,10 @@ activations, masked-out tiles and chunked-scan overheads are not counted), so MF
 implementations fairly. A multiply-add is 2 FLOPs. With B sequences of S tokens, N draft blocks of
 ``bs`` positions per sequence (``Nd = B * N * bs`` draft positions), target hidden size H, vocabulary V:
 
-- target forward (no gradient): ``2 * B * S * P_lin`` with ``P_lin`` the weights of every
-  ``nn.Linear`` in the target's decoder stack (its LM head is not run for features); full-attention
+- target forward (no gradient), over the decoder layers the features need (``Target`` stops after
+  the deepest feature layer, so the layers above it are not counted; up to 2026-12-04 they were, 2 of
+  32 target layers at the ``real`` preset, 1.44 of its 70.07 TFLOP): ``2 * B * S * P_lin`` with
+  ``P_lin`` the weights of every ``nn.Linear`` in those layers (the LM head is not run for features); full-attention
   layers ``4 * Hq * Dh * B * S (S + 1) / 2`` (causal QK^T and PV); Gated DeltaNet layers
   ``6 * Hv * Dk * Dv`` per token (the recurrent form's three state products: S k, the rank-1 update,
   q S); the short conv ``2 * W * channels`` per token.
@@ -45,12 +47,13 @@ def _visible_pairs(anchors: torch.Tensor, valid: torch.Tensor, block_size: int, 
     return float((per_block * valid.double()).sum())
 
 
-def target_flops(text_config, tokens_per_seq: int, batch: int, linear_weights: int) -> float:
-    """Forward FLOPs of the target's decoder stack over ``batch`` sequences of ``tokens_per_seq``."""
+def target_flops(text_config, tokens_per_seq: int, batch: int, linear_weights: int, layers: int | None = None) -> float:
+    """Forward FLOPs of the target's first ``layers`` decoder layers (None: all) over ``batch`` sequences of
+    ``tokens_per_seq``; ``linear_weights`` are those layers' ``nn.Linear`` weights."""
     c = text_config
     T = batch * tokens_per_seq
     flops = 2.0 * T * linear_weights
-    types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)
+    types = list(getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers)[:layers]
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     causal_pairs = batch * tokens_per_seq * (tokens_per_seq + 1) / 2
     for t in types:
@@ -64,9 +67,10 @@ def target_flops(text_config, tokens_per_seq: int, batch: int, linear_weights: i
     return flops
 
 
-def step_flops(target_model, drafter, batch: dict) -> dict:
+def step_flops(target_model, drafter, batch: dict, target_layers: int | None = None) -> dict:
     """Model FLOPs of one training step on ``batch`` (a ``trainer.data`` batch: ``input_ids [B, S]``,
-    ``anchors [B, N]``, ``valid [B, N]``). Returns each part and ``total``."""
+    ``anchors [B, N]``, ``valid [B, N]``), the target running its first ``target_layers`` decoder layers
+    (``Target.layers_run``; None: all). Returns each part and ``total``."""
     dc = drafter.config
     B, S = batch["input_ids"].shape
     anchors, valid = batch["anchors"], batch["valid"]
@@ -75,7 +79,15 @@ def step_flops(target_model, drafter, batch: dict) -> dict:
     Nd = B * N * bs
     H, V = dc.hidden_size, dc.vocab_size
     text = getattr(target_model.config, "text_config", None) or target_model.config
-    tgt = target_flops(text, S, B, _linear_weights(target_model.base_model))
+    base = target_model.base_model
+    weights = _linear_weights(base)
+    stack = getattr(base, "layers", None)
+    if target_layers is not None:
+        if not isinstance(stack, nn.ModuleList) or not 1 <= target_layers <= len(stack):
+            raise ValueError(f"target_layers: {target_layers} is not a count of the target's decoder layers "
+                             f"({len(stack) if isinstance(stack, nn.ModuleList) else 'none found'})")
+        weights -= sum(_linear_weights(layer) for layer in stack[target_layers:])
+    tgt = target_flops(text, S, B, weights, target_layers)
 
     D, Hq, Hkv = dc.head_dim, dc.num_heads, dc.num_kv_heads
     per_layer_rows = 2.0 * Nd * (H * Hq * D * 2 + 3 * H * dc.intermediate_size)  # q, o, gate, up, down

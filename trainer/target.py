@@ -78,6 +78,12 @@ class Target:
         return hook
 
     @property
+    def layers_run(self) -> int:
+        """Decoder layers :meth:`features` runs: up to the deepest feature layer when it can stop there,
+        else all of them (the model FLOP count of ``trainer.flops`` takes this)."""
+        return max(self.layer_ids) + 1 if self._tapped else self.num_layers
+
+    @property
     def device(self):
         return next(self.model.parameters()).device
 

@@ -48,6 +48,7 @@ from trainer.common import (build_drafter, current_lr, lr_lambda, resolve_device
 from trainer.compute_weights import make_optimizer  # noqa: E402
 from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
 from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
+from trainer.flops import step_flops  # noqa: E402
 from trainer.loss import expected_accept_length  # noqa: E402
 from trainer.rundir import (DRAFTER_DIR, ConfigChanged, RunDirError, check_resume_config,  # noqa: E402
                             open_metrics, prepare_run_dir)
@@ -148,6 +149,9 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         drafter.save_pretrained(os.path.join(cfg.out_dir, DRAFTER_DIR))
         log(f"checkpoint: step {step} -> {ckpt_path} ({time.perf_counter() - t0:.1f}s)")
 
+    def count_flops(batch):  # the step's model TFLOP (trainer.flops), from the host's batch: no synchronization
+        return step_flops(target.model, drafter, batch, target.layers_run)["total"] / 1e12
+
     tty = sys.stderr.isatty()
     drafter.train()
     t_start, window = time.perf_counter(), []
@@ -167,7 +171,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         for rec, loss, st, gnorm in pending:
             rec = {"step": rec["step"], "loss": loss.item(), "acc": st["acc"], "lr": rec["lr"],
                    "grad_norm": float(gnorm), "tokens": rec["tokens"], "epoch": rec["epoch"],
-                   "tau_est": expected_accept_length(st["acc_by_pos"]), "ms": ms}
+                   "tau_est": expected_accept_length(st["acc_by_pos"]), "ms": ms, "tflop": rec["tflop"]}
             history.append(rec)
             window.append(rec)
             mf.write(json.dumps(rec) + "\n")
@@ -183,7 +187,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
             sched.step()
             step += 1
             pending.append(({"step": step, "lr": current_lr(sched), "tokens": int(batch["lengths"].sum()),
-                             "epoch": batch["epoch"]}, loss, st, gnorm))
+                             "epoch": batch["epoch"], "tflop": count_flops(batch)}, loss, st, gnorm))
             if tty:
                 done = int(30 * step / total)
                 print(f"\r[{'#' * done}{'.' * (30 - done)}] {step}/{total}", end="", file=sys.stderr, flush=True)

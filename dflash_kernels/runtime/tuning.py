@@ -146,25 +146,25 @@ def tuning_lock(device: int) -> threading.Lock:
 def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR) -> tuple:
     """Merge ``cache_file``'s entries into the packaged file of the same name, keeping only entries whose
     kernel source hash is that of a kernel in ``kernels`` (``{name: source hash}``; default: every kernel of
-    the ops now registered), and entries of other names (the implementation choices, versioned in their key). Returns ``(path, entries kept, entries dropped)``."""
+    the ops now registered), and entries of other names (the implementation choices, versioned in their key).
+    The packaged file's own entries of older kernel sources are removed (never found again). Returns
+    ``(path, entries kept, entries dropped)``, both counts of ``cache_file``'s entries."""
     if kernels is None:
         kernels = current_kernel_hashes()
     with open(cache_file) as f:
         table = json.load(f)
-    kept, dropped = {}, 0
-    for entry, value in table.items():
+    def current(entry):  # False: timed on an older source of its kernel
         name, _, rest = entry.partition("|")
-        digest = rest.partition("|")[0]
-        if name in kernels and kernels[name] != digest:
-            dropped += 1  # timed on an older source of this kernel
-            continue
-        kept[entry] = value
+        return name not in kernels or kernels[name] == rest.partition("|")[0]
+
+    kept = {entry: value for entry, value in table.items() if current(entry)}
+    dropped = len(table) - len(kept)
     os.makedirs(packaged_dir, exist_ok=True)
     path = os.path.join(packaged_dir, os.path.basename(cache_file))
     old = {}
     if os.path.exists(path):
         with open(path) as f:
-            old = json.load(f)
+            old = {entry: value for entry, value in json.load(f).items() if current(entry)}  # stale ones go
     old.update(kept)
     with open(path, "w") as f:
         json.dump(old, f, indent=1, sort_keys=True)

@@ -9,7 +9,7 @@ import torch
 from dflash_kernels.ops.adamw import fused_adamw_, naive_adamw_
 from tests.helpers import device, rel_err, require_triton_kernels
 
-SHAPES = [(37, 129), (5000,), (3, 7, 11), (1,)]  # odd sizes: no multiple of any block
+SHAPES = [(37, 129), (5000,), (3, 7, 11), (1,), (8, 256)]  # odd sizes (a tail block), and one of only full blocks
 
 
 @pytest.fixture(autouse=True)
@@ -91,12 +91,12 @@ def test_learning_rate_and_step_on_the_device():
     for a, b in zip(ms + vs, ms2 + vs2):
         assert torch.equal(a, b)
     # one shared step tensor; counts that differ per parameter use each its own
-    for t, n in zip(steps, (1, 4, 4, 4)):
+    for t, n in zip(steps, [1] + [4] * (len(steps) - 1)):
         t.fill_(n)
     one, many = copy.deepcopy(ps), copy.deepcopy(ps)
     g = _grads(9, torch.float32)
     fused_adamw_(one, g, copy.deepcopy(ms), copy.deepcopy(vs), lr=1e-2, step=torch.tensor(4.0, device=device()))
-    fused_adamw_(many, g, copy.deepcopy(ms), copy.deepcopy(vs), lr=1e-2, step=steps)  # 1, 4, 4, 4
+    fused_adamw_(many, g, copy.deepcopy(ms), copy.deepcopy(vs), lr=1e-2, step=steps)  # 1, 4, 4, ...
     ref = copy.deepcopy(ps)
     naive_adamw_(ref[:1], g[:1], copy.deepcopy(ms[:1]), copy.deepcopy(vs[:1]), lr=1e-2, beta1=0.9, beta2=0.999,
                  eps=1e-8, weight_decay=0.0, step=1)

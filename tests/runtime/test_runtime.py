@@ -241,6 +241,10 @@ def test_ship_keeps_the_entries_of_the_current_kernels(tmp_path):
     cache_file.write_text(json.dumps({"fwd|aaaa|(128,)": {"config": {"BT": 32}, "ms": 1.0}}))
     tuning.ship(str(cache_file), kernels={"fwd": "aaaa"}, packaged_dir=str(shipped))  # merges
     assert len(json.load(open(path))) == 3
+    # fwd edited: its new entry merged, the package's entries of the old source removed
+    cache_file.write_text(json.dumps({"fwd|bbbb|(64,)": {"config": {"BT": 16}, "ms": 1.0}}))
+    tuning.ship(str(cache_file), kernels={"fwd": "bbbb"}, packaged_dir=str(shipped))
+    assert set(json.load(open(path))) == {"fwd|bbbb|(64,)", "impl_choice|v2|('fwd', 1)"}
 
 
 def test_the_shipped_tuning_files_name_known_kernels_and_configs():

@@ -62,6 +62,44 @@ def test_cli_log_line(tmp_path, tiny_qwen3_dir, counting_data, capsys):
     assert json_load(tmp_path / "drafter" / "config.json")["target_layer_ids"] == [2, 4]
 
 
+def test_each_step_records_its_model_flops(tmp_path, tiny_qwen3_dir, counting_data):
+    """metrics rows carry the step's model TFLOP (trainer.flops on that step's batch, the target counted up
+    to its deepest feature layer), which the GPU log line turns into MFU."""
+    from trainer.common import build_drafter
+    from trainer.data import batch_at, load_jsonl
+    from trainer.flops import step_flops
+    from trainer.target import load_target, resolve_mask_token_id
+
+    cfg = tiny_cfg(tiny_qwen3_dir, counting_data, tmp_path, steps=3, target_layer_ids=[1, 2])
+    hist = train(cfg, log=lambda s: None)
+    target = load_target(tiny_qwen3_dir, cfg.target_layer_ids)
+    assert target.layers_run == 3 < target.num_layers  # the tiny target has layers above the deepest feature
+    ds = load_jsonl(counting_data, target.tokenizer, cfg.max_len, cfg.block_size, vocab_size=target.vocab_size,
+                    log=lambda s: None)
+    drafter = build_drafter(cfg, target, resolve_mask_token_id(target.tokenizer, target.vocab_size, None))
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    for i, rec in enumerate(hist):
+        batch = batch_at(ds, i, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed, pad)
+        parts = step_flops(target.model, drafter, batch, target.layers_run)
+        assert rec["tflop"] == pytest.approx(parts["total"] / 1e12, rel=1e-12)
+        assert parts["target_fwd"] < step_flops(target.model, drafter, batch)["target_fwd"]
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["tflop"] for line in f] == [r["tflop"] for r in hist]
+
+
+def test_the_log_line_shows_mfu_on_a_gpu(monkeypatch):
+    import trainer.common as common
+
+    monkeypatch.setattr(common, "peak_mem_gib", lambda dev: 1.0)
+    window = [{"loss": 1.0, "acc": 0.5, "lr": 1e-4, "tokens": 1000, "ms": 100.0, "tflop": 989 * 0.1 * 0.25},
+              {"loss": 1.0, "acc": 0.5, "lr": 1e-4, "tokens": 1000, "ms": 300.0, "tflop": 989 * 0.3 * 0.75}]
+    line = common.step_log_line(window, 2, 10, torch.device("cuda"))
+    assert "| MFU 62.5% |" in line, line  # (24.725 + 222.525) TFLOP over 0.4 s against 989 TFLOP/s
+    assert "MFU" not in common.step_log_line(window, 2, 10, torch.device("cpu"))  # the peak is a GPU's
+    untimed = [{k: v for k, v in window[0].items() if k != "tflop"}]  # the pipeline's records carry none
+    assert "MFU" not in common.step_log_line(untimed, 1, 10, torch.device("cuda"))
+
+
 def json_load(path):
     with open(path) as f:
         return json.load(f)

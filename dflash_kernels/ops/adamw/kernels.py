@@ -23,6 +23,46 @@ from dflash_kernels.runtime import Config, TritonKernel
 __all__ = ["adamw_kernel"]
 
 
+@triton.jit
+def _load(ptr, offs, n, MASKED: tl.constexpr):
+    if MASKED:
+        x = tl.load(ptr + offs, mask=offs < n, other=0.0)
+    else:
+        x = tl.load(ptr + offs)
+    return x
+
+
+@triton.jit
+def _store(ptr, offs, x, n, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + offs, x, mask=offs < n)
+    else:
+        tl.store(ptr + offs, x)
+
+
+@triton.jit
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n, beta1, beta2, eps, decay, step_size,
+                 bc2_sqrt, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, MASKED: tl.constexpr):
+    p = _load(p_ptr, offs, n, MASKED)
+    g = _load(g_ptr, offs, n, MASKED).to(tl.float32)
+    if HAS_SCALE:
+        g = g / tl.load(scale_ptr).to(tl.float32)
+    m = _load(m_ptr, offs, n, MASKED)
+    v = _load(v_ptr, offs, n, MASKED)
+    p = p * decay
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    _store(p_ptr, offs, p, n, MASKED)
+    _store(m_ptr, offs, m, n, MASKED)
+    _store(v_ptr, offs, v, n, MASKED)
+    if HAS_OUT:
+        _store(out_ptr, offs, p.to(out_ptr.dtype.element_ty), n, MASKED)
+
+
+# ``n`` is not specialized (one compiled kernel for every size), so the compiler cannot prove a block's mask
+# uniform over a vector and a masked access is a scalar one: every block but the last runs unmasked, with
+# 16-byte accesses (5.54 -> 3.59 ms over the `real` drafter's 0.52 G parameters on an H200, 2.6 -> 4.0 TB/s).
 @triton.jit(do_not_specialize=["n", "beta1", "beta2", "eps", "decay", "step_size", "bc2_sqrt"])
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, hp_ptr, n, beta1, beta2, eps, decay, step_size,
                   bc2_sqrt, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HP_ON_DEVICE: tl.constexpr,
@@ -31,28 +71,19 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, hp_ptr, n, bet
         decay = tl.load(hp_ptr)
         step_size = tl.load(hp_ptr + 1)
         bc2_sqrt = tl.load(hp_ptr + 2)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SCALE:
-        g = g / tl.load(scale_ptr).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    p = p * decay
-    m = beta1 * m + (1.0 - beta1) * g
-    v = beta2 * v + (1.0 - beta2) * g * g
-    p = p - step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
-    tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    if HAS_OUT:
-        tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n, beta1, beta2, eps, decay, step_size,
+                     bc2_sqrt, HAS_OUT, HAS_SCALE, False)
+    else:
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n, beta1, beta2, eps, decay, step_size,
+                     bc2_sqrt, HAS_OUT, HAS_SCALE, True)
 
 
 # In place: the tuner's trials (each candidate launched dozens of times on the real tensors) would apply
 # the step over and over, so the parameter, the moments and the compute copy are restored after them.
 adamw_kernel = TritonKernel(
     _adamw_kernel, name="adamw",
-    configs=[Config(BLOCK=b, num_warps=w) for b, w in ((4096, 8), (2048, 4), (8192, 8), (1024, 4))],
+    configs=[Config(BLOCK=b, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 8), (4096, 4))],
     interpret_config=Config(BLOCK=256), restore=("p_ptr", "m_ptr", "v_ptr", "out_ptr"))
