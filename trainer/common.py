@@ -9,7 +9,7 @@ import resource
 import torch
 
 from trainer.config import TrainConfig
-from trainer.flops import mfu
+from trainer.flops import PEAK_BF16_FLOPS, mfu
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.target import Target
 
@@ -93,15 +93,16 @@ def fmt_eta(sec: float) -> str:
     return f"{sec // 3600}:{sec % 3600 // 60:02d}:{sec % 60:02d}"
 
 
-def step_log_line(window: list, step: int, total: int, dev) -> str:
+def step_log_line(window: list, step: int, total: int, dev, gpus: int = 1) -> str:
     """The interval's log line from its per-step records (``metrics.jsonl`` rows). On a GPU, records that
-    carry their model TFLOP (``tflop``) add the interval's MFU against 989 TFLOP/s (``trainer.flops``)."""
+    carry their model TFLOP (``tflop``, the whole step's) add the interval's MFU against ``gpus`` x 989
+    TFLOP/s (``trainer.flops``)."""
     ms = sum(r["ms"] for r in window) / len(window)
     seconds = sum(r["ms"] for r in window) / 1e3
     tok_s = sum(r["tokens"] for r in window) / seconds
     util = ""
     if dev.type == "cuda" and all("tflop" in r for r in window):
-        util = f" | MFU {mfu(sum(r['tflop'] for r in window) * 1e12, seconds):.1%}"
+        util = f" | MFU {mfu(sum(r['tflop'] for r in window) * 1e12, seconds, gpus * PEAK_BF16_FLOPS):.1%}"
     return (f"step {step}/{total} | loss {sum(r['loss'] for r in window) / len(window):.4f} | "
             f"acc {sum(r['acc'] for r in window) / len(window):.3f} | lr {window[-1]['lr']:.2e} | "
             f"{tok_s:,.0f} tok/s | {ms:.0f} ms/step{util} | peak {peak_mem_gib(dev):.2f} GiB | "

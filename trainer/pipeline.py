@@ -53,6 +53,7 @@ from trainer.common import build_drafter, lr_lambda, resolve_paths, step_log_lin
 from trainer.config import TrainConfig, dump
 from trainer.data import batch_at, load_jsonl, steps_per_epoch
 from trainer.distributed import Dist, init_distributed
+from trainer.flops import step_flops
 from trainer.loss import expected_accept_length
 from trainer.rundir import DRAFTER_DIR, check_resume_config, open_metrics, prepare_run_dir
 from trainer.supervise import (EXIT_FAILED, EXIT_OK, RunLog, StopRequest, Stopped, Supervisor, Watchdog, WorkerFailed,
@@ -64,7 +65,7 @@ __all__ = ["parse_devices", "micro_index", "run_pipeline", "preflight", "param_d
            "Meter", "pipeline_stats", "format_pipeline_stats"]
 
 _POLL_S = 0.1  # how often a blocked worker looks at the stop flag
-_STATS = 5  # loss, hits, counted, tokens, stop; then acc_by_pos[block_size]
+_STATS = 6  # loss, hits, counted, tokens, stop, model TFLOP; then acc_by_pos[block_size]
 
 
 def parse_devices(spec: str, name: str = "devices") -> list:
@@ -306,6 +307,7 @@ class PipelineState:
     D: int = 0  # drafter replicas in this process
     T: int = 0  # target workers in this process
     world: int = 1  # micro-batches per step over all processes (D * processes)
+    gpus: int = 1  # distinct devices over all processes (the MFU's peak is gpus x one GPU's)
     total: int = 0  # the run's steps
     params_n: int = 0  # drafter parameters (the flat gradient buffer's length before the stats)
     replicas: list = field(default_factory=list)  # the drafter replicas, one per ddevs entry
@@ -408,6 +410,7 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overw
         R.ds = load_jsonl(cfg.data, tok, cfg.max_len, cfg.block_size, vocab_size=base.vocab_size, log=log, **pack)
         R.D, R.T = len(R.ddevs), len(R.tdevs)
         R.world = R.D * R.dist.world
+        R.gpus = len(set(R.tdevs + R.ddevs)) * R.dist.world  # the MFU's peak: every process lays out alike
         R.total = cfg.steps or cfg.epochs * steps_per_epoch(len(R.ds), cfg.batch_size * R.world)
         log(f"data: {len(R.ds)} sequences, {R.world} micro-batches of {cfg.batch_size} per step, {R.total} steps")
     with log.stage("drafter"):
@@ -575,6 +578,7 @@ def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: 
             tail[2] = st["tokens"]
             tail[3] = float(batch["lengths"].sum())
             tail[4] = 0.0
+            tail[5] = step_flops(R.base.model, drafter, batch, R.base.layers_run)["total"] / 1e12  # host batch
             tail[_STATS:] = st["acc_by_pos"].to(dev)
             if R.record is not None:
                 R.record.append({"step": step, "replica": d, "rank": R.dist.rank, "micro": k,
@@ -610,14 +614,15 @@ def _drafter_worker(sup: Supervisor, R: PipelineState, d: int, queues, barrier: 
             now = time.perf_counter()
             rec = {"step": cur, "loss": stats[0], "acc": stats[1] / max(stats[2], 1e-12), "lr": sched.get_last_lr()[0],
                    "grad_norm": float(gnorm), "tokens": int(round(stats[3] * R.world)), "epoch": batch["epoch"],
-                   "tau_est": expected_accept_length(torch.tensor(stats[_STATS:])), "ms": (now - t_last) * 1e3}
+                   "tau_est": expected_accept_length(torch.tensor(stats[_STATS:])), "ms": (now - t_last) * 1e3,
+                   "tflop": stats[5] * R.world}
             t_last = now
             R.history.append(rec)
             window.append(rec)
             R.metrics.write(json.dumps(rec) + "\n")
             R.metrics.flush()
             if cur % cfg.log_interval == 0 or cur == R.total:
-                log(step_log_line(window, cur, R.total, dev))
+                log(step_log_line(window, cur, R.total, dev, gpus=R.gpus))
                 window = []
             if cur % cfg.save_interval == 0 or cur == R.total or stop_now or cur == R.stop_after:
                 _save(R, cur)

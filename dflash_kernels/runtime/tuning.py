@@ -153,6 +153,7 @@ def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR) -> tup
         kernels = current_kernel_hashes()
     with open(cache_file) as f:
         table = json.load(f)
+
     def current(entry):  # False: timed on an older source of its kernel
         name, _, rest = entry.partition("|")
         return name not in kernels or kernels[name] == rest.partition("|")[0]

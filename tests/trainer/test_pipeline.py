@@ -96,6 +96,16 @@ def test_replicas_stay_identical_and_each_batch_is_used_once(tmp_path, tiny_qwen
                      tiny_tokenizer.pad_token_id)
         assert int(b["input_ids"].sum()) == r["ids_sum"]
     assert hist[-1]["tokens"] == D * cfg.batch_size * 60  # tokens of all replicas are counted
+    # Each step's model TFLOP is that of all its micro-batches (trainer.flops, the target's layers run).
+    from trainer.flops import step_flops
+    from trainer.target import load_target
+
+    target = load_target(tiny_qwen3_dir, cfg.target_layer_ids, cfg.num_target_layers)
+    for row in hist:
+        micro = [batch_at(ds, micro_index(row["step"] - 1, 0, 1, d, D), cfg.batch_size, cfg.max_len,
+                          cfg.num_anchors, cfg.block_size, cfg.seed, tiny_tokenizer.pad_token_id) for d in range(D)]
+        expect = sum(step_flops(target.model, replicas[0], b, target.layers_run)["total"] for b in micro) / 1e12
+        assert row["tflop"] == pytest.approx(expect, rel=1e-6)
     losses = [r["loss"] for r in hist]
     assert sum(losses[-2:]) < sum(losses[:2]), losses
 

@@ -95,8 +95,9 @@ def test_the_log_line_shows_mfu_on_a_gpu(monkeypatch):
               {"loss": 1.0, "acc": 0.5, "lr": 1e-4, "tokens": 1000, "ms": 300.0, "tflop": 989 * 0.3 * 0.75}]
     line = common.step_log_line(window, 2, 10, torch.device("cuda"))
     assert "| MFU 62.5% |" in line, line  # (24.725 + 222.525) TFLOP over 0.4 s against 989 TFLOP/s
+    assert "| MFU 31.2% |" in common.step_log_line(window, 2, 10, torch.device("cuda"), gpus=2)  # the pipeline's
     assert "MFU" not in common.step_log_line(window, 2, 10, torch.device("cpu"))  # the peak is a GPU's
-    untimed = [{k: v for k, v in window[0].items() if k != "tflop"}]  # the pipeline's records carry none
+    untimed = [{k: v for k, v in window[0].items() if k != "tflop"}]  # records without a count
     assert "MFU" not in common.step_log_line(untimed, 1, 10, torch.device("cuda"))
 
 
