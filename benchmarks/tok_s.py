@@ -58,7 +58,11 @@ build time, the first step's loss (every row starts from the same drafter and ba
 agree when the backends compute the same thing) and ``a / this``: (a)'s tokens/s over the row's.
 ``--profile N`` adds each group's device time per category (gemm, attention, gdn, conv, loss,
 optimizer, copies/casts, norm/rope/activation, other; JSON field ``profile_ms``) and ``device_idle_ms``: the
-step's wall time less that device time, what the GPU waits for the host per step.
+step's wall time less that device time, what the GPU waits for the host per step. On a GPU every row also
+splits its timed steps with CUDA events (``span_ms``, no synchronization in the steps): ``target`` (the
+step's start to its target features), ``drafter`` (to the drafter's step done) and ``between`` (one step's
+end to the next one's start, the scheduler's lr write included), each the mean device-side ms per step:
+where the timed step's time goes, idle included, without the profiler.
 
 Before the clock starts, each timed batch's forward and backward run once without an update (the shape
 pass; ``--shape-pass off`` skips it): a batch whose shapes the warm-up steps did not cover would otherwise
@@ -583,6 +587,41 @@ def run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, ref
             dk.set_backend(op, name)
 
 
+class StepSpans:
+    """CUDA events recorded on the stream at each timed step's start, after its target features and after its
+    drafter step, read after the clock stops (no synchronization in the steps). ``split()`` gives the mean
+    device-side ms per step of ``target`` (start -> features: the copies in, the target's forward),
+    ``drafter`` (features -> the drafter's step done) and ``between`` (one step's end -> the next one's
+    start: the GPU waiting for the host between steps when positive). Off the GPU, and once ``on`` is
+    False, ``mark`` does nothing."""
+
+    def __init__(self, dev):
+        self.on = dev.type == "cuda"
+        self.steps = []  # one {"start", "target", "drafter"} dict of events per timed step
+
+    def mark(self, name: str) -> None:
+        if not self.on:
+            return
+        if name == "start":
+            self.steps.append({})
+        elif not self.steps:  # the warm-up and shape-pass steps come before the first start
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.steps[-1][name] = event
+
+    def split(self) -> dict:
+        full = [s for s in self.steps if len(s) == 3]
+        if not full:
+            return {}
+        n = len(full)
+        out = {"target": sum(s["start"].elapsed_time(s["target"]) for s in full) / n,
+               "drafter": sum(s["target"].elapsed_time(s["drafter"]) for s in full) / n}
+        if n > 1:
+            out["between"] = sum(a["drafter"].elapsed_time(b["start"]) for a, b in zip(full, full[1:])) / (n - 1)
+        return {k: round(v, 3) for k, v in out.items()}
+
+
 def _target_graphs(plan, cfg, dev) -> bool:
     """Whether the row's target forward runs as CUDA graphs: the plan's setting, else the trainer's rule
     (default "auto": on a GPU) as --target-graphs sets it."""
@@ -687,12 +726,16 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
             loss.backward()
             opt.zero_grad(set_to_none=True)
             return batch, loss
-        loss, _, _ = dstep(batch, target_features(target, batch, dev))
+        feats = target_features(target, batch, dev)
+        spans.mark("target")
+        loss, _, _ = dstep(batch, feats)
+        spans.mark("drafter")
         sched.step()
         return batch, loss
 
     row["shape_pass"] = TIMING["shape_pass"]
     row["target_graphs"] = graphs
+    spans = StepSpans(dev)
     for i in range(warmup + steps):
         if i == warmup:
             if TIMING["shape_pass"]:
@@ -705,6 +748,8 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
                 flex.mask_s = 0.0
             t_timed = time.perf_counter()
         t0 = time.perf_counter()
+        if i >= warmup:
+            spans.mark("start")
         batch, loss = train_step(i)
         if i == 0:
             row["loss_step1"] = loss.item()
@@ -724,6 +769,9 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
     row["reserved_GiB"] = torch.cuda.max_memory_reserved(dev) / 2 ** 30 if dev.type == "cuda" else float("nan")
     row["graphs_captured"] = dstep.info()["captured"]
     row["mask_ms"] = flex.mask_s / steps * 1e3 if flex is not None else float("nan")
+    if dev.type == "cuda":
+        row["span_ms"] = spans.split()
+    spans.on = False  # the profiled steps below are not split
     if profile > 0:
         first = warmup + steps
         it = iter(range(first, first + profile))

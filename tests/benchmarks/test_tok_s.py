@@ -500,3 +500,33 @@ def test_flex_peer_compiled_masks_match_the_eager_build(device):
             assert torch.equal(got[t].to_dense(), want[t].to_dense()), (t, S)
             assert got[t].seq_lengths == want[t].seq_lengths == (12, S + 12)
     assert compiled.create_block_mask is not eager.create_block_mask and compiled.mask_s > 0
+
+
+def test_step_spans_split_the_timed_steps(monkeypatch):
+    """The CUDA-event split of the timed steps, on fake events with set times: warm-up marks before the first
+    start are ignored; target, drafter and between are means over the timed steps."""
+    now = [0.0]
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = now[0]
+
+        def elapsed_time(self, other):
+            return other.t - self.t
+
+    monkeypatch.setattr(tok_s.torch.cuda, "Event", FakeEvent)
+    spans = tok_s.StepSpans(torch.device("cuda"))
+    assert spans.on
+    for name, t in [("target", 1), ("drafter", 2),  # a warm-up step: no start yet
+                    ("start", 10), ("target", 20), ("drafter", 50),
+                    ("start", 53), ("target", 61), ("drafter", 95)]:
+        now[0] = t
+        spans.mark(name)
+    assert spans.split() == {"target": 9.0, "drafter": 32.0, "between": 3.0}
+    assert tok_s.StepSpans(torch.device("cpu")).split() == {}  # off the GPU: nothing recorded
+    off = tok_s.StepSpans(torch.device("cpu"))
+    off.mark("start")
+    assert off.steps == []
