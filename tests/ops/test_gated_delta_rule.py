@@ -214,6 +214,48 @@ def test_forward_custom_op_checks(save):
     assert set(result.values()) == {"SUCCESS"}, result
 
 
+@pytest.mark.parametrize("B,l2", [(1, True), (2, True), (2, False)], ids=["B1-l2", "B2-l2", "B2-nol2"])
+def test_row_strided_views_read_in_place(B, l2):
+    # The GDN layer splits its conv output [B, T, W] into q, k and v views (row stride W): the kernels read
+    # them in place (v always, q and k through the l2norm) with outputs and gradients bit for bit those of
+    # contiguous copies; the columns past the three views get no gradient.
+    Hk, Hv, K, V, T, pad = 1, 2, 16, 16, 70, 8
+    dtype, dev = torch.bfloat16, device()
+    _, _, _, g, beta, _ = _inputs(B, T, Hk, Hv, K, V, dtype)
+    widths = [Hk * K, Hk * K, Hv * V]
+    mixed = torch.randn(B, T, sum(widths) + pad, device=dev, dtype=dtype)
+    if not l2:  # unit keys without the in-kernel l2norm
+        mixed[..., K * Hk:2 * K * Hk] = F.normalize(mixed[..., K * Hk:2 * K * Hk].float().view(B, T, Hk, K),
+                                                    dim=-1).view(B, T, -1).to(dtype)
+    mixed.requires_grad_()
+
+    def views(x):
+        q, k, v = torch.split(x[..., :sum(widths)], widths, dim=-1)
+        return q.reshape(B, T, Hk, K), k.reshape(B, T, Hk, K), v.reshape(B, T, Hv, V)
+
+    q, k, v = views(mixed)
+    assert gdn_module.row_stride(v) == mixed.shape[-1] and gdn_module.rows(v) is v
+    assert gdn_module.rows(q) is q and gdn_module.rows(k) is k
+    # a channel-first conv output seen as [B, T, W] has no row stride: copied
+    assert gdn_module.row_stride(views(mixed.detach().transpose(1, 2).contiguous().transpose(1, 2))[2]) is None
+    do = torch.randn(B, T, Hv, V, device=dev)
+    dht = torch.randn(B, Hv, K, V, device=dev)
+
+    def run(q, k, v, wrt):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=l2, output_final_state=True)
+        return o, ht, torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), wrt)
+
+    o, ht, (dmixed,) = run(q, k, v, [mixed])
+    dense = [t.detach().contiguous().requires_grad_() for t in (q, k, v)]
+    o2, ht2, grads = run(*dense, dense)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    for got, want in zip(torch.split(dmixed[..., :sum(widths)], widths, dim=-1), grads):
+        assert torch.equal(got, want.reshape(B, T, -1))
+    assert torch.count_nonzero(dmixed[..., sum(widths):]) == 0
+    assert rel_err(o, naive_recurrent_gated_delta_rule(*(t.detach() for t in (q, k, v)), g, beta,
+                                                       use_qk_l2norm_in_kernel=l2)[0]) <= _tol(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_chunk_varlen(dtype):
     # Uneven packed sequences: shorter than a chunk, exactly one chunk, empty, off the boundary.

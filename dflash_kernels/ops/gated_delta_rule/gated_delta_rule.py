@@ -78,25 +78,44 @@ def _opt(t):
     return None if t is None or t.numel() == 0 else t
 
 
+def row_stride(t: torch.Tensor) -> Optional[int]:
+    """The stride between the tokens of ``t [B, T, H, D]`` when its heads and features are dense
+    (``[H, D]`` contiguous) and its tokens evenly spaced (``B`` rows of ``T`` at one stride), as a view
+    ``[..., i:j]`` of a wider ``[B, T, W]`` projection is; else None (the launchers then copy it)."""
+    B, T, H, D = t.shape
+    if t.stride(3) != 1 and D > 1 or t.stride(2) != D and H > 1:
+        return None
+    st = t.stride(1) if T > 1 else H * D
+    if B > 1 and t.stride(0) != T * st:
+        return None
+    return st
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` when the kernels that take a row stride can read it in place (``row_stride``), else a copy."""
+    return t if row_stride(t) is not None else t.contiguous()
+
+
 def l2norm_fwd(x: torch.Tensor):
-    """x [..., D] -> (x / ||x||, rstd fp32 [...])."""
-    D = x.shape[-1]
+    """x [B, T, H, D] (read in place: ``row_stride``) -> (x / ||x||, rstd fp32 [B, T, H]), contiguous."""
+    H, D = x.shape[-2:]
     R = x.numel() // D
-    y = alloc.empty_like(x)
+    y = alloc.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = alloc.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
-    gdn_l2norm_fwd_kernel(lambda m: (cdiv(R, m["BR"]),), x, y, rstd, R, L2NORM_EPS,
-                          bucket=(bucket(R),), D=D, BD=_block(D))
+    gdn_l2norm_fwd_kernel(lambda m: (cdiv(R, m["BR"]),), x, y, rstd, R, row_stride(x), L2NORM_EPS,
+                          bucket=(bucket(R),), H=H, D=D, BD=_block(D))
     return y, rstd
 
 
 def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype, group: int = 1):
-    """dx of ``x [..., D]``; ``dy [..., group, D]`` when each row's gradient arrives as ``group`` partial
-    rows (one per value head of a query/key head), summed in the kernel in a fixed order."""
-    D = x.shape[-1]
+    """dx (contiguous) of ``x [B, T, H, D]`` (read in place: ``row_stride``); ``dy [..., group, D]`` when
+    each row's gradient arrives as ``group`` partial rows (one per value head of a query/key head),
+    summed in the kernel in a fixed order."""
+    H, D = x.shape[-2:]
     R = x.numel() // D
     dx = alloc.empty(x.shape, dtype=out_dtype, device=x.device)
-    gdn_l2norm_bwd_kernel(lambda m: (cdiv(R, m["BR"]),), x, rstd, dy.contiguous(), dx, R,
-                          bucket=(bucket(R),), D=D, BD=_block(D), G=group)
+    gdn_l2norm_bwd_kernel(lambda m: (cdiv(R, m["BR"]),), x, rstd, dy.contiguous(), dx, R, row_stride(x),
+                          bucket=(bucket(R),), H=H, D=D, BD=_block(D), G=group)
     return dx
 
 
@@ -108,7 +127,7 @@ def _nonfinite(k, v, g, beta, layout, gate=None, beta_mode=0):
     N, n_chunks, cu, indices, offsets = layout
     A_log, dt_bias = gate if gate is not None else (None, None)
     t_bad = alloc.empty(n_chunks, Hv, dtype=torch.int32, device=k.device)
-    gdn_fwd_nonfinite_kernel((n_chunks, Hk), k, v, g, beta, A_log, dt_bias, t_bad, cu, indices, T,
+    gdn_fwd_nonfinite_kernel((n_chunks, Hk), k, v, g, beta, A_log, dt_bias, t_bad, cu, indices, T, row_stride(v),
                              bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, IS_VARLEN=cu is not None,
                              GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
     return t_bad
@@ -135,7 +154,7 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, t_ba
                                    bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K),
                                    IS_VARLEN=cu is not None, GATE=gate is not None,
                                    HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
-    gdn_fwd_wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, t_bad, w, u, cu, indices, T,
+    gdn_fwd_wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, t_bad, w, u, cu, indices, T, row_stride(v),
                             bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
                             IS_VARLEN=cu is not None, BETA_MODE=beta_mode, HAS_T_BAD=t_bad is not None)
     return A, gcum, w, u
@@ -172,8 +191,9 @@ def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale:
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool,
                                save_states: bool = False, A_log=None, dt_bias=None, chunk_indices=None,
                                chunk_offsets=None, beta_mode: int = 0, state_v_first: bool = False):
-    """Launch the forward; returns (o, final_state, A, gcum, w, h, v_new). Inputs contiguous, checked
-    by the caller; q, k, v of one dtype.
+    """Launch the forward; returns (o, final_state, A, gcum, w, h, v_new). Inputs checked by the caller,
+    contiguous but for v and, with ``use_qk_l2norm``, q and k, which may be row-strided views
+    (``row_stride``: a split of the layer's projection, read in place); q, k, v of one dtype.
 
     By default the per-chunk states are not kept (the backward recomputes them from A and gcum;
     w, h and v_new come back empty), so the scan writes the output directly (``_gdn_fwd_scan_kernel``
@@ -243,7 +263,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     passed (the raw gate, the logits) when the forward applied the gate or the sigmoid."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
+    v = v.contiguous()  # the backward kernels read v densely (the forward's may be a row-strided view)
     q_in, k_in = q, k
+    if not use_qk_l2norm:
+        q, k = q.contiguous(), k.contiguous()
     if use_qk_l2norm:
         q, q_rstd = l2norm_fwd(q_in)
         k, k_rstd = l2norm_fwd(k_in)
@@ -441,7 +464,10 @@ def _chunk_kernels(q, k, v, g, beta, scale, initial_state, output_final_state, u
     # when a gradient will be asked for): memory for the backward's recompute.
     save = (settings.gdn_save_states() and cu_seqlens is None and torch.is_grad_enabled()
             and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)))
-    o, final_state = _gdn_chunk_fwd(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+    # q, k (normalized by the l2norm kernel, which reads them in place) and v stay views of the layer's
+    # projection where their rows are evenly strided: no copy
+    qk = rows if use_qk_l2norm_in_kernel else torch.Tensor.contiguous
+    o, final_state = _gdn_chunk_fwd(qk(q), qk(k), rows(v), g.contiguous(),
                                     beta.contiguous(), _contiguous(A_log), _contiguous(dt_bias),
                                     _contiguous(initial_state), cu, indices, offsets, scale,
                                     bool(use_qk_l2norm_in_kernel), bool(output_final_state), save,

@@ -44,7 +44,9 @@ is not confined this way.
 
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
-(states ``h``) are indexed by the global chunk number, sequence after sequence.
+(states ``h``) are indexed by the global chunk number, sequence after sequence. v, as the
+``nonfinite`` and ``wu`` kernels read it, has its own row stride SV (a view of a wider projection is
+read in place); every other tensor here is contiguous.
 """
 
 import torch
@@ -189,7 +191,7 @@ def _bad_rows(ptr, rows, m_t, stride, D: tl.constexpr, BD: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_fwd_nonfinite_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_ptr, cu_seqlens_ptr,
-                              chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                              chunk_indices_ptr, T, SV, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                               V: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr, BD: tl.constexpr,
                               GATE: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False,
                               BETA_MODE: tl.constexpr = 0):
@@ -211,7 +213,7 @@ def _gdn_fwd_nonfinite_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_
     bad_k = _bad_rows(k_ptr + i_hk * K, rows, m_t, HK * K, K, BD)
     for i_g in range(GROUP):
         i_h = i_hk * GROUP + i_g
-        bad = tl.maximum(bad_k, _bad_rows(v_ptr + i_h * V, rows, m_t, HV * V, V, BD))
+        bad = tl.maximum(bad_k, _bad_rows(v_ptr + i_h * V, rows, m_t, SV, V, BD))
         b_g = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
         if GATE:
             b_g = gdn_gate(b_g, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS)
@@ -335,7 +337,7 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_
 
 @triton.jit(do_not_specialize=["T"])
 def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, t_bad_ptr, w_ptr, u_ptr, cu_seqlens_ptr,
-                       chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       chunk_indices_ptr, T, SV, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
                        BETA_MODE: tl.constexpr = 0, HAS_T_BAD: tl.constexpr = False):
     """w = A diag(beta exp(G)) K and u = A diag(beta) V of one chunk (forward, and the backward's recompute).
@@ -373,10 +375,11 @@ def _gdn_fwd_wu_kernel(k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, t_bad_ptr, w_ptr
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_v = tl.load(v_ptr + p_v, mask=f_t[:, None] & (o_v < V)[None, :], other=0)
+        b_v = tl.load(v_ptr + rows[:, None] * SV + i_h * V + o_v[None, :], mask=f_t[:, None] & (o_v < V)[None, :],
+                      other=0)
         b_u = tl.dot(b_Ad, (b_v * b_beta[:, None]).to(b_k.dtype))
-        tl.store(u_ptr + p_v, b_u.to(u_ptr.dtype.element_ty), mask=m_tv)
+        tl.store(u_ptr + rows[:, None] * (HV * V) + i_h * V + o_v[None, :], b_u.to(u_ptr.dtype.element_ty),
+                 mask=m_tv)
 
 
 @triton.jit(do_not_specialize=["T"])
