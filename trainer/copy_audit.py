@@ -30,6 +30,8 @@ logger with the drafter in fp32 master weights under bf16 autocast (as on a GPU)
 distinct small number and scales each event to the ``real`` preset of ``benchmarks/tok_s.py`` (hidden
 2560, 3,072 target tokens, 512 anchors x 16 = 8,192 draft tokens, 5 drafter layers, 32 target layers)
 by mapping each small dimension to its real one, then ranks the sources by bytes moved per real step.
+``python -m trainer.copy_audit --ops add`` ranks every call of the named aten ops instead (of any kind: where a
+kernel that a GPU profile names, e.g. a bf16 ``CUDAFunctor_add``, comes from).
 ``python -m trainer.copy_audit --profile real`` is the GPU side: ``benchmarks/tok_s.py``'s real step under
 ``torch.profiler``, each kernel's device time charged to the function (and autograd node) that issued it.
 ``tests/trainer/test_no_hidden_copies.py`` keeps the trainer's list of such ops to the ones it chose.
@@ -47,7 +49,8 @@ import traceback
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CopyLogger", "Event", "audit_step", "trainer_step", "aggregate", "report", "owner", "real_bytes", "shrunken_real_setup",
+__all__ = ["CopyLogger", "Event", "audit_step", "trainer_step", "aggregate", "report", "owner", "real_bytes",
+           "select_ops", "shrunken_real_setup",
            "profile_sources", "profile_tok_s", "AUDIT_DIMS", "REAL_DIMS"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -653,6 +656,13 @@ def profile_tok_s(preset: str = "real", group: str = "a", steps: int = 2, top: i
         tok_s.profile_steps = before
 
 
+def select_ops(events, names) -> list:
+    """The events of the aten ops ``names`` (packet names: ``add`` keeps ``aten.add.Tensor`` and every other
+    overload of ``add``)."""
+    names = {n.strip() for n in names if n.strip()}
+    return [e for e in events if e.op.split(".")[1] in names]
+
+
 def main(argv=None):
     import argparse
 
@@ -665,6 +675,10 @@ def main(argv=None):
     p.add_argument("--depth", type=int, default=1, help="innermost frames that tell sources apart (0: all kept)")
     p.add_argument("--fused", action="store_true", help="the fused RMSNorm / RoPE / SwiGLU in the drafter (FUSED_OPS) "
                    "and the target (use_dflash_kernels(..., elementwise=True)), as tok_s group (a) on a GPU")
+    p.add_argument("--ops", default="", metavar="NAMES",
+                   help="instead of copies and casts: every call of these aten ops (comma-separated packet names, "
+                        "e.g. add,_foreach_norm), of any kind, ranked the same way (where a kernel a profile names "
+                        "comes from)")
     p.add_argument("--profile", default="", metavar="PRESET[:GROUP]",
                    help="instead: benchmarks/tok_s.py's PRESET (real, embedded, tiny) and GROUP (a, f; default a) "
                         "under torch.profiler, device time per (kernel, op, source line): the GPU check of the audit")
@@ -684,9 +698,11 @@ def main(argv=None):
     model_mod.FUSED_OPS = args.fused
     setup = shrunken_real_setup(elementwise=args.fused)
     try:
-        events = audit_step(setup, backend=args.backend, frames=8)
+        events = audit_step(setup, backend=args.backend, frames=8, all_ops=bool(args.ops))
     finally:
         setup[1].routing.undo()
+    if args.ops:
+        events = select_ops(events, args.ops.split(","))
     events = [e for e in events if real_bytes(e) >= args.min_mb * 1e6]
     kinds = set(args.kinds.split(",")) if args.kinds else None
     print(report(events, args.top, kinds=kinds, depth=args.depth))
