@@ -265,11 +265,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     Hv, V = v.shape[2], v.shape[3]
     v = v.contiguous()  # the backward kernels read v densely (the forward's may be a row-strided view)
     q_in, k_in = q, k
-    if not use_qk_l2norm:
-        q, k = q.contiguous(), k.contiguous()
-    if use_qk_l2norm:
+    if use_qk_l2norm:  # the l2norm kernel reads q and k in place and writes them contiguous
         q, q_rstd = l2norm_fwd(q_in)
         k, k_rstd = l2norm_fwd(k_in)
+    else:
+        q, k = q.contiguous(), k.contiguous()
     layout = _layout(B, T, cu_seqlens, chunk_indices, chunk_offsets)
     N, n_chunks, cu, indices, offsets = layout
     if h is None or h.numel() == 0:
