@@ -13,7 +13,8 @@ Environment variables (read at import, overridable from Python):
 - ``DFLASH_KERNELS_PACKAGED_TUNING=0``: ignore the tuning results shipped with the package
   (``dflash_kernels/runtime/tuned/``; :mod:`dflash_kernels.runtime.tuning`) and time every key here.
 - ``DFLASH_KERNELS_GDN_SAVE_STATES=1``, ``DFLASH_KERNELS_GDN_FWD_SPLIT=1``: the GDN forward's variants
-  (:func:`gdn_save_states`, :func:`gdn_fwd_split`).
+  (:func:`gdn_save_states`, :func:`gdn_fwd_split`); ``DFLASH_KERNELS_GDN_KSPLIT=1``: the GDN state scan's
+  K-split candidates (:func:`gdn_ksplit`).
 """
 
 import contextlib
@@ -49,6 +50,13 @@ def gdn_fwd_split() -> bool:
     state and U) and then the output kernel, parallel over chunks, instead of the scan with the output
     fused in (for few sequences and heads, whose scan keeps few programs busy; opt-in until timed)."""
     return _env_flag("DFLASH_KERNELS_GDN_FWD_SPLIT")
+
+
+def gdn_ksplit() -> bool:
+    """DFLASH_KERNELS_GDN_KSPLIT=1 (read when the GDN kernels are imported): the state scan of the backward's
+    recompute and of the split forward also tunes its K-split form (kernels_fwd.py,
+    ``GDN_FWD_STATE_KSPLIT_CONFIGS``; opt-in until verified and timed on a GPU)."""
+    return _env_flag("DFLASH_KERNELS_GDN_KSPLIT")
 
 
 def interpreting() -> bool:

@@ -108,6 +108,11 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     # K is processed in column blocks of KB: every K-wide product is separable over them, so only one
     # block's [BT, KB] accumulators are live at a time (K-wide ones spill registers on sm_90 builds).
     KB: tl.constexpr = BKB if BKB < BK else BK
+    # The V loops' block: 32 whenever K's block is 32. On sm_90 (triton 3.6) BK = 32 with a V block of 16 or
+    # 64 over a single V iteration compiles to an out-of-range shared-memory access (compute-sanitizer: the
+    # b_kf line below; garbage dk, dg and dbeta, or an illegal memory access that kills the CUDA context
+    # when the tuner times the candidate), seen at V = 16, 32 and 64; BV = 32 was right at every such V.
+    VB: tl.constexpr = 32 if BK == 32 else BV
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // HK)
     bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
@@ -132,8 +137,8 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)   # dO U^T
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)   # du Y^T, then + dw X^T over the K blocks
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
+    for i_v in range(tl.cdiv(V, VB)):
+        o_v = i_v * VB + tl.arange(0, VB)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
         b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
@@ -175,8 +180,8 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         b_dq = tl.zeros([BT, KB], dtype=tl.float32)   # dO S0^T
         b_dks = tl.zeros([BT, KB], dtype=tl.float32)  # U dS1^T
         b_dw = tl.zeros([BT, KB], dtype=tl.float32)   # -dU S0^T
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
+        for i_v in range(tl.cdiv(V, VB)):
+            o_v = i_v * VB + tl.arange(0, VB)
             m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
             m_tv = m_t[:, None] & (o_v < V)[None, :]
             o_kv = o_k[:, None] * V + o_v[None, :]

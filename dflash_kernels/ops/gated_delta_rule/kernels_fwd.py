@@ -14,8 +14,9 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
 Kernels: ``nonfinite`` (each chunk's first row holding a NaN / Inf, see below), ``solve`` (G and A)
 and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential S0 -> S1 scan, parallel over
 sequences, heads and V blocks), which in the forward writes o as it goes and in the backward's
-recompute stores S0 and U per chunk instead; ``output`` (the split forward, opt-in) computes o from
-those stored S0 and U, parallel over chunks. Their TritonKernel wrappers and tuning candidates close
+recompute stores S0 and U per chunk instead (``states``: the scan plus a K-split form of that storing
+scan, KSPLIT, a tuning choice); ``output`` (the split forward, opt-in) computes o from those stored S0
+and U, parallel over chunks. Their TritonKernel wrappers and tuning candidates close
 the module.
 
 Non-finite inputs. Every product above is lower triangular inside the chunk (row i of A, w, u and
@@ -53,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels.runtime import Config, TritonKernel
+from dflash_kernels.runtime import Config, TritonKernel, settings
 
 
 @triton.jit
@@ -468,6 +469,105 @@ def _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, t_bad_ptr, h0_ptr
     store_state(ht_ptr + i_nh.to(tl.int64) * (K * V), b_h, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
 
 
+@triton.jit
+def _states_khalves(k_ptr, w_ptr, u_ptr, gcum_ptr, t_bad_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr, i_v, i_nh, i_h, i_hk,
+                    bos, seqlen, boh, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+                    LOOP_STAGES: tl.constexpr, STATE_V_FIRST: tl.constexpr, HAS_T_BAD: tl.constexpr):
+    """The state scan (not OUTPUT) of ``_gdn_fwd_states_kernel`` with KSPLIT: what ``_gdn_fwd_scan_kernel``
+    stores (h per chunk, U, the final state; NaN states after a chunk with t_bad < BT), written for fewer
+    live registers and more of the chunk loop's loads staged ahead by its pipeliner:
+
+    - the [BK, BV] state as two [BK/2, BV] halves, so each product is half as large and fewer registers
+      are live around it; w and k are loaded in the matching column halves;
+    - the decay exp(G_last - G) applied to U's rows (a [BT, BV] tile) instead of k's ([BT, BK]), so k,
+      loaded K-major, feeds its product as loaded: like w, it does not depend on the state and the
+      chunk loop's pipeliner stages it in shared memory ahead of use (LOOP_STAGES / num_stages);
+    - with HAS_T_BAD the NaN enters through the decay factor of the old state (a scalar select) rather
+      than a select over the new state after its product.
+
+    U is stored in the input precision; its decayed copy is rounded once more for the product (where the
+    one-tile scan rounds k's decayed rows): the two agree to a rounding. Needs BK >= 32.
+    """
+    KH: tl.constexpr = BK // 2
+    o_k1 = tl.arange(0, KH)
+    o_k2 = KH + o_k1
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_i = tl.arange(0, BT)
+    m_v = o_v < V
+    m_kv1 = (o_k1 < K)[:, None] & m_v[None, :]
+    m_kv2 = (o_k2 < K)[:, None] & m_v[None, :]
+    if HAS_H0:
+        b_h1 = load_state(h0_ptr + i_nh.to(tl.int64) * (K * V), o_k1, o_v, m_kv1, K, V, STATE_V_FIRST)
+        b_h2 = load_state(h0_ptr + i_nh.to(tl.int64) * (K * V), o_k2, o_v, m_kv2, K, V, STATE_V_FIRST)
+    else:
+        b_h1 = tl.zeros([KH, BV], dtype=tl.float32)
+        b_h2 = tl.zeros([KH, BV], dtype=tl.float32)
+    dt = k_ptr.dtype.element_ty
+    for i_t in tl.range(0, tl.cdiv(seqlen, BT), num_stages=LOOP_STAGES):
+        p_h = h_ptr + ((boh + i_t) * HV + i_h) * (K * V)
+        tl.store(p_h + o_k1[:, None] * V + o_v[None, :], b_h1.to(h_ptr.dtype.element_ty), mask=m_kv1)
+        tl.store(p_h + o_k2[:, None] * V + o_v[None, :], b_h2.to(h_ptr.dtype.element_ty), mask=m_kv2)
+        o_t = i_t * BT + o_i
+        m_t = o_t < seqlen
+        rows = bos + o_t
+        p_w = w_ptr + rows[:, None] * (HV * K) + i_h * K
+        b_w1 = tl.load(p_w + o_k1[None, :], mask=m_t[:, None] & (o_k1 < K)[None, :], other=0)
+        b_w2 = tl.load(p_w + o_k2[None, :], mask=m_t[:, None] & (o_k2 < K)[None, :], other=0)
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_u = tl.load(u_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+        b_Glast = tl.load(gcum_ptr + (bos + tl.minimum(i_t * BT + BT, seqlen) - 1) * HV + i_h)
+        p_k = k_ptr + rows[None, :] * (HK * K) + i_hk * K
+        b_k1 = tl.load(p_k + o_k1[:, None], mask=(o_k1 < K)[:, None] & m_t[None, :], other=0)  # [KH, BT]
+        b_k2 = tl.load(p_k + o_k2[:, None], mask=(o_k2 < K)[:, None] & m_t[None, :], other=0)
+        if HAS_T_BAD:
+            t_bad = tl.load(t_bad_ptr + (boh + i_t) * HV + i_h)
+
+        b_v = tl.dot(b_w1, b_h1.to(dt))
+        b_v = tl.dot(b_w2, b_h2.to(dt), b_v)
+        b_vnew = (b_u - b_v).to(dt)
+        tl.store(vnew_ptr + p_v, b_vnew.to(vnew_ptr.dtype.element_ty), mask=m_tv)
+        b_vs = (b_vnew.to(tl.float32) * tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))[:, None]).to(dt)
+        b_d = tl.exp(b_Glast)
+        if HAS_T_BAD:  # a NaN decay makes the state after the chunk NaN (a scalar select, off the products)
+            b_d = tl.where(t_bad < BT, float("nan"), b_d)
+        b_h1 = tl.dot(b_k1, b_vs, b_h1 * b_d)
+        b_h2 = tl.dot(b_k2, b_vs, b_h2 * b_d)
+    store_state(ht_ptr + i_nh.to(tl.int64) * (K * V), b_h1, o_k1, o_v, m_kv1, K, V, STATE_V_FIRST)
+    store_state(ht_ptr + i_nh.to(tl.int64) * (K * V), b_h2, o_k2, o_v, m_kv2, K, V, STATE_V_FIRST)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_fwd_states_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, t_bad_ptr, h0_ptr, h_ptr, vnew_ptr, o_ptr, ht_ptr,
+                           cu_seqlens_ptr, chunk_offsets_ptr, T, scale,
+                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           HAS_H0: tl.constexpr, OUTPUT: tl.constexpr, BV: tl.constexpr, SAVE: tl.constexpr = False,
+                           LOOP_STAGES: tl.constexpr = None, STATE_V_FIRST: tl.constexpr = False,
+                           HAS_T_BAD: tl.constexpr = False, KSPLIT: tl.constexpr = False):
+    """``_gdn_fwd_scan_kernel`` (same arguments: a drop-in for its launcher ``_scan``) with one more tuning
+    choice for the state scan: KSPLIT runs ``_states_khalves`` (the state as two K halves, U's rows
+    decayed instead of k's; the same outputs and NaN rules, one rounding apart). With OUTPUT, or with
+    BK < 32 (halves below a product's minimum of 16), KSPLIT is ignored. The kernel without KSPLIT is
+    ``_gdn_fwd_scan_kernel`` itself, kept a separate function so that the fused forward's kernel (and its
+    tuning results, keyed by its source) do not change.
+    """
+    if OUTPUT or (not KSPLIT) or BK < 32:
+        _gdn_fwd_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, t_bad_ptr, h0_ptr, h_ptr, vnew_ptr, o_ptr, ht_ptr,
+                             cu_seqlens_ptr, chunk_offsets_ptr, T, scale, HK, HV, K, V, BT, BK, IS_VARLEN, HAS_H0,
+                             OUTPUT, BV, SAVE, LOOP_STAGES, STATE_V_FIRST, HAS_T_BAD)
+    else:
+        i_v, i_nh = tl.program_id(0), tl.program_id(1)
+        i_n, i_h = i_nh // HV, i_nh % HV
+        i_hk = i_h // (HV // HK)
+        bos, seqlen, boh = sequence_bounds(i_n, T, cu_seqlens_ptr, chunk_offsets_ptr, BT, IS_VARLEN)
+        _states_khalves(k_ptr, w_ptr, u_ptr, gcum_ptr, t_bad_ptr, h0_ptr, h_ptr, vnew_ptr, ht_ptr, i_v, i_nh, i_h,
+                        i_hk, bos, seqlen, boh, HK, HV, K, V, BT, BK, BV, HAS_H0, LOOP_STAGES, STATE_V_FIRST,
+                        HAS_T_BAD)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gdn_fwd_output_kernel(q_ptr, k_ptr, gcum_ptr, t_bad_ptr, h_ptr, vnew_ptr, o_ptr, cu_seqlens_ptr,
                            chunk_indices_ptr, T, scale, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
@@ -543,13 +643,23 @@ gdn_fwd_solve_kernel = ByPrecision(_gdn_fwd_solve_kernel, "gdn_fwd_solve", [Conf
 gdn_fwd_wu_kernel = ByPrecision(
     _gdn_fwd_wu_kernel, "gdn_fwd_wu",
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)], FP32_CONFIGS)
-# The scan storing each chunk's start state and U (the backward's recompute). Its 8-warp BV <= 32
-# candidates, as the forward's, are those that do not spill registers on sm_90 builds
-# (benchmarks/sm90_resources.py); the tuner times them all.
+# The scan storing each chunk's start state and U (the backward's recompute, the split forward). Its
+# 8-warp BV <= 32 candidates, as the forward's, are those that do not spill registers on sm_90 builds
+# (benchmarks/sm90_resources.py); the tuner times them all. The K-split form (KSPLIT, ``_states_khalves``)
+# joins them with ``DFLASH_KERNELS_GDN_KSPLIT=1`` (settings.gdn_ksplit, read at import): its correctness is
+# tested under the interpreter (tests/ops/test_gdn_scan_variants.py, every KSPLIT config forced); until
+# those tests and a timing have run on a GPU, a tuner on one does not time it by default (a candidate
+# that faults, or computes wrong on an sm_90 build, would reach every GDN backward's recompute).
+GDN_FWD_STATE_KSPLIT_CONFIGS = [
+    Config(BV=32, num_warps=4, KSPLIT=True, LOOP_STAGES=3), Config(BV=32, num_warps=4, num_stages=4, KSPLIT=True),
+    Config(BV=64, num_warps=4, KSPLIT=True, LOOP_STAGES=3), Config(BV=16, num_warps=4, KSPLIT=True, LOOP_STAGES=3)]
 gdn_fwd_scan_states_kernel = ByPrecision(
-    _gdn_fwd_scan_kernel, "gdn_fwd_state",
+    _gdn_fwd_states_kernel, "gdn_fwd_state",
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
-     Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8)], FP32_CONFIGS)
+     Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
+     Config(BV=32, num_warps=4, LOOP_STAGES=3)]
+    + (GDN_FWD_STATE_KSPLIT_CONFIGS if settings.gdn_ksplit() else []),
+    FP32_CONFIGS)
 # The forward: the scan with the output fused in. The first candidate (what an untuned run launches)
 # is the tuner's pick at the benchmark shapes on the H200. Single-stage chunk loops are no candidates:
 # at BV=32 they fault there (illegal memory access), at BV=64 they are slower. The 3-stage loop at

@@ -1,0 +1,135 @@
+"""Every ``gdn_bwd_local`` candidate forced alone at small head dims (K = 32; V = 16 or 32, narrower than BV).
+
+On the H200 (triton 3.6) the kernel at BK = 32 with a V block of 64 (or 16) over a single V iteration
+compiled to an out-of-range shared-memory access (compute-sanitizer: kernels_bwd.py, the ``b_kf`` line of
+the K-block loop): garbage dk, dg and dbeta when forced alone, an illegal memory access that killed the CUDA
+context when the tuner timed it (tests/ops/test_gated_delta_rule.py::test_chunk_matches_reference
+[T130-bf16-nol2] on a fresh tuning cache). The kernel now runs its V loops in blocks of 32 whenever BK is 32.
+
+Each case forces one candidate (on the CPU the interpreter's config, on a GPU the only config with tuning
+off), runs the op forward and backward with the suite's NaN-poisoned outputs, and checks every gradient
+against the fp32 recurrence of naive.py (relative and worst-row errors, tests/ops/test_gated_delta_rule.py).
+Every tensor the kernel gets lies inside a NaN guard region: the guards must stay NaN (no store outside a
+tensor) and the inputs unchanged.
+"""
+
+import pytest
+import torch
+
+from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn_module
+from dflash_kernels.ops.gated_delta_rule import kernels_bwd
+from dflash_kernels.runtime import alloc
+from tests.helpers import device
+from tests.ops.test_gated_delta_rule import _compare, _inputs, _run
+
+GUARD = 1024  # elements before and after each tensor argument
+OUTPUTS = ("dq_ptr", "dk_ptr", "dv_ptr", "dbeta_ptr", "dg_ptr", "dA_log_ptr", "ddt_bias_ptr")
+
+
+class _Guarded:
+    """Stands in for ``gdn_bwd_local_kernel`` in the launcher's module: launches the real kernel on copies of
+    its tensor arguments inside NaN guard regions, checks the guards and the inputs, copies the outputs back."""
+
+    def __init__(self, real):
+        self.real = real
+        self.launches = 0
+        self.problems = []
+
+    def of(self, x):
+        kernel = self.real.of(x)
+
+        def launch(grid, *args, **constexprs):
+            guarded, copies = [], []
+            for name, a in zip(kernel.runtime_names, args):
+                if not isinstance(a, torch.Tensor) or a.numel() == 0:
+                    guarded.append(a)
+                    continue
+                fill = float("nan") if a.dtype.is_floating_point else -7
+                flat = torch.full((a.numel() + 2 * GUARD,), fill, dtype=a.dtype, device=a.device)
+                inner = flat[GUARD:GUARD + a.numel()]
+                inner.copy_(a.contiguous().view(-1))
+                copies.append((name, a, flat, inner))
+                guarded.append(inner.view(a.shape))
+            kernel(grid, *guarded, **constexprs)
+            self.launches += 1
+            for name, a, flat, inner in copies:
+                edges = torch.cat([flat[:GUARD], flat[-GUARD:]])
+                written = ~torch.isnan(edges) if edges.dtype.is_floating_point else edges != -7
+                if written.any():
+                    self.problems.append(f"{name}: {int(written.sum())} elements written outside the tensor")
+                if name in OUTPUTS:
+                    a.copy_(inner.view(a.shape))
+                elif not torch.equal(inner.view(a.shape).nan_to_num(-1e30), a.nan_to_num(-1e30)):
+                    self.problems.append(f"{name}: an input was modified")
+        return launch
+
+
+def _candidates():
+    for dtype, kernel in ((torch.bfloat16, kernels_bwd.gdn_bwd_local_kernel.default),
+                          (torch.float32, kernels_bwd.gdn_bwd_local_kernel.fp32)):
+        tag = "bf16" if dtype == torch.bfloat16 else "fp32"
+        for i, config in enumerate(kernel.configs):
+            yield pytest.param(dtype, i, id=f"{tag}-{i}-BV{config.meta['BV']}-BKB{config.meta['BKB']}")
+
+
+# (id, B, T, Hk, Hv, K, V): K = 32 (BK = 32), V narrower than BV = 64 and BKB = 64; T not a multiple of 64
+SHAPES = [("K32-V16", 1, 130, 2, 4, 32, 16), ("K32-V32", 1, 130, 2, 4, 32, 32)]
+
+
+def _force(monkeypatch, dtype, index):
+    kernel = kernels_bwd.gdn_bwd_local_kernel.of(torch.empty(0, dtype=dtype))
+    config = kernel.configs[index]
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
+    monkeypatch.setattr(kernel, "configs", [config])
+    monkeypatch.setattr(kernel, "interpret_config", config)  # the interpreter launches this one
+    kernel.reset()
+    guarded = _Guarded(kernels_bwd.gdn_bwd_local_kernel)
+    monkeypatch.setattr(gdn_module, "gdn_bwd_local_kernel", guarded)
+    return kernel, config, guarded
+
+
+def _grads(shape, dtype):
+    torch.manual_seed(0)
+    B, T, Hk, Hv, K, V = shape
+    tensors = _inputs(B, T, Hk, Hv, K, V, dtype, normalized=True)
+    do = torch.randn(B, T, Hv, V, device=device())
+    return tensors, _run(gdn_module.chunk_gated_delta_rule, tensors, {}, False, do, None)[2]
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V", [s[1:] for s in SHAPES], ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("dtype,index", list(_candidates()))
+def test_every_local_candidate_small_dims(monkeypatch, dtype, index, B, T, Hk, Hv, K, V):
+    assert alloc.poisoning(), "the suite NaN-fills the launchers' outputs (tests/conftest.py)"
+    kernel, config, guarded = _force(monkeypatch, dtype, index)
+    try:
+        torch.manual_seed(0)
+        tensors = _inputs(B, T, Hk, Hv, K, V, dtype, normalized=True)
+        _compare(tensors, {}, False, dtype)  # every gradient against the fp32 reference
+        if device().type == "cuda":
+            torch.cuda.synchronize()
+        used = [e["config"] for e in kernel.cache_info().values()]
+        assert used and all(c == config.as_dict() for c in used), f"ran {used}, not {config}"
+        assert guarded.launches > 0, "the backward did not launch gdn_bwd_local"
+        assert not guarded.problems, guarded.problems
+    finally:
+        kernel.reset()
+
+
+@pytest.mark.skipif(device().type != "cpu", reason="bit equality of two configs: the interpreter's")
+@pytest.mark.parametrize("V", [16, 32])
+def test_bk32_runs_v_blocks_of_32(monkeypatch, V):
+    """At BK = 32 the BV=64 candidate runs the V loops in blocks of 32: the same gradients, bit for bit, as
+    BV=32 (same BKB), under the interpreter (one program order)."""
+    kernel = kernels_bwd.gdn_bwd_local_kernel.default
+    index = {c.meta["BV"]: i for i, c in enumerate(kernel.configs) if c.meta["BKB"] == 32}
+    shape = (1, 130, 2, 4, 32, V)
+    results = []
+    for bv in (32, 64):
+        with monkeypatch.context() as m:
+            k, _, _ = _force(m, torch.bfloat16, index[bv])
+            try:
+                results.append(_grads(shape, torch.bfloat16)[1])
+            finally:
+                k.reset()
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
