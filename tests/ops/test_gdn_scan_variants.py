@@ -29,8 +29,9 @@ from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
 from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn_module
 from dflash_kernels.ops.gated_delta_rule import kernels_fwd
 from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
-from dflash_kernels.runtime import Config, resolve
+from dflash_kernels.runtime import Config
 from tests.helpers import device, on_reference_device, rel_err, worst_row_err
+from tests.ops.test_gated_delta_rule import _require_kernels  # noqa: F401 - the suite's autouse check
 from tests.ops.test_gated_delta_rule import _compare, _inputs, _tol
 
 STATES = kernels_fwd.gdn_fwd_scan_states_kernel
@@ -38,14 +39,6 @@ BF16_KSPLIT = list(enumerate(kernels_fwd.GDN_FWD_STATE_KSPLIT_CONFIGS))
 FP32_KSPLIT = Config(BV=32, num_warps=4, num_stages=1, KSPLIT=True)
 CANDIDATES = ([pytest.param(STATES.default, c, id=f"bf16[{i}]-BV{c.meta['BV']}") for i, c in BF16_KSPLIT]
               + [pytest.param(STATES.fp32, FP32_KSPLIT, id="fp32")])
-
-
-@pytest.fixture(autouse=True)
-def _require_kernels():
-    backend = resolve("gdn", device())
-    if backend not in ("interpret", "triton"):
-        pytest.fail(f"gdn tests need the Triton kernels (interpreter on the CPU), got backend {backend!r}; "
-                    f"run with TRITON_INTERPRET=1")
 
 
 @pytest.fixture
