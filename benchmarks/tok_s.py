@@ -31,9 +31,10 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   1.1 ms of device time per step at the ``real`` preset; the trainer does the same), and (r) is (a)
   without that route; likewise every group runs the drafter's forward, backward, clip and AdamW step as
   CUDA graphs (``TrainConfig.step_cuda_graphs="auto"``, ``trainer/step_graph.py``; ``--step-graphs``
-  sets it), and (w) (a) and (bw) (b) are the rows with the eager step, its A/B; (s)
-  (a) with the split GDN forward (``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan, then
-  the output over all chunks at once; ``--groups a,s``);
+  sets it), and (w) (a) and (bw) (b) are the rows with the eager step, its A/B; (s) and (f)
+  (a) with the split GDN forward forced (``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan,
+  then the output over all chunks at once) and with the fused one forced (``=0``), the A/B of the
+  library's own choice, which splits for few sequences and heads (the ``real`` target's B=1, Hv=32);
 - (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
   (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
   (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
@@ -102,7 +103,7 @@ from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_bac
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
-GROUPS = ("a", "b", "b+", "bn", "bw", "c", "e", "k", "m", "n", "r", "s", "w")
+GROUPS = ("a", "b", "b+", "bn", "bw", "c", "e", "f", "k", "m", "n", "r", "s", "w")
 
 
 def parse_args(argv=None):
@@ -115,8 +116,8 @@ def parse_args(argv=None):
                    "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
                    "norm/RoPE/SwiGLU chains), n ((a) with the target's forward eager, not as CUDA graphs), bn ((b) "
                    "likewise), r ((a) without the GDN layer route), m ((a) with bf16 weight copies), s ((a) with the "
-                   "split GDN forward), w ((a) with the drafter's step eager, not as CUDA graphs), bw ((b) likewise); only a, "
-                   "b, c are in the default")
+                   "split GDN forward), f ((a) with the fused GDN forward), w ((a) with the drafter's step eager, not "
+                   "as CUDA graphs), bw ((b) likewise); only a, b, c are in the default")
     p.add_argument("--plus", default="", help="the (b+) variants to run alone, comma-separated (default all: "
                    "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
@@ -279,7 +280,7 @@ def group_plan(group: str, dev) -> dict:
     cpu = dev.type != "cuda"
     if group == "w" and cpu:
         return {"label": "(w) (a) with the drafter's step eager", "skip": "the A/B of the step's CUDA graphs: a GPU only"}
-    if group in ("a", "e", "k", "m", "n", "r", "s", "w"):
+    if group in ("a", "e", "f", "k", "m", "n", "r", "s", "w"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
                 "loss": "fused", "adamw": "auto", "elementwise": True}
@@ -291,6 +292,8 @@ def group_plan(group: str, dev) -> dict:
             plan.update(label="(k) (a) with fp32 weights cast by autocast", adamw="fused")
         if group == "s":
             plan.update(label="(s) (a) with the split GDN forward", env={"DFLASH_KERNELS_GDN_FWD_SPLIT": "1"})
+        if group == "f":
+            plan.update(label="(f) (a) with the fused GDN forward", env={"DFLASH_KERNELS_GDN_FWD_SPLIT": "0"})
         if group == "n":
             plan.update(label="(n) (a) with the target's forward eager (no CUDA graphs)", target_graphs=False)
         if group == "r":

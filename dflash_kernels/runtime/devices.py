@@ -11,7 +11,7 @@ import re
 
 import torch
 
-__all__ = ["device_index", "gpu_model", "on_device", "current_stream"]
+__all__ = ["device_index", "gpu_model", "on_device", "current_stream", "sm_count"]
 
 try:  # the raw-stream getter Triton itself uses: no Python Stream object per call
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
@@ -57,3 +57,11 @@ def gpu_model(index: int) -> str:
         return "cpu"
     name = torch.cuda.get_device_name(index)
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_")
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(index: int) -> int:
+    """The number of streaming multiprocessors of CUDA device ``index`` (0 for the CPU)."""
+    if index < 0:
+        return 0
+    return torch.cuda.get_device_properties(index).multi_processor_count

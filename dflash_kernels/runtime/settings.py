@@ -12,9 +12,8 @@ Environment variables (read at import, overridable from Python):
 - ``DFLASH_KERNELS_VERBOSE=1``: print each compile and tuning result.
 - ``DFLASH_KERNELS_PACKAGED_TUNING=0``: ignore the tuning results shipped with the package
   (``dflash_kernels/runtime/tuned/``; :mod:`dflash_kernels.runtime.tuning`) and time every key here.
-- ``DFLASH_KERNELS_GDN_SAVE_STATES=1``, ``DFLASH_KERNELS_GDN_FWD_SPLIT=1``: the GDN forward's variants
-  (:func:`gdn_save_states`, :func:`gdn_fwd_split`); ``DFLASH_KERNELS_GDN_KSPLIT=1``: the GDN state scan's
-  K-split candidates (:func:`gdn_ksplit`).
+- ``DFLASH_KERNELS_GDN_SAVE_STATES=1``, ``DFLASH_KERNELS_GDN_FWD_SPLIT=1|0``: the GDN forward's variants
+  (:func:`gdn_save_states`, :func:`gdn_fwd_split`).
 """
 
 import contextlib
@@ -45,18 +44,19 @@ def gdn_save_states() -> bool:
     return _env_flag("DFLASH_KERNELS_GDN_SAVE_STATES")
 
 
-def gdn_fwd_split() -> bool:
-    """DFLASH_KERNELS_GDN_FWD_SPLIT=1: the GDN forward runs the state scan (storing each chunk's start
-    state and U) and then the output kernel, parallel over chunks, instead of the scan with the output
-    fused in (for few sequences and heads, whose scan keeps few programs busy; opt-in until timed)."""
-    return _env_flag("DFLASH_KERNELS_GDN_FWD_SPLIT")
-
-
-def gdn_ksplit() -> bool:
-    """DFLASH_KERNELS_GDN_KSPLIT=1 (read when the GDN kernels are imported): the state scan of the backward's
-    recompute and of the split forward also tunes its K-split form (kernels_fwd.py,
-    ``GDN_FWD_STATE_KSPLIT_CONFIGS``; opt-in until verified and timed on a GPU)."""
-    return _env_flag("DFLASH_KERNELS_GDN_KSPLIT")
+def gdn_fwd_split():
+    """``DFLASH_KERNELS_GDN_FWD_SPLIT``: how the GDN forward computes its output. ``1``: the state scan
+    (storing each chunk's start state and U), then the output kernel parallel over chunks; ``0``: the scan
+    with the output fused in; unset or ``auto``: the library picks by the number of sequences and heads
+    (``gated_delta_rule._split_forward``). Returns True, False, or None for auto."""
+    value = os.environ.get("DFLASH_KERNELS_GDN_FWD_SPLIT", "auto").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"DFLASH_KERNELS_GDN_FWD_SPLIT: expected 1, 0 or auto, got {value!r}")
 
 
 def interpreting() -> bool:

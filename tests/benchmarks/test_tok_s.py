@@ -358,7 +358,7 @@ def test_groups_k_and_m_set_the_compute_weights():
 
 def test_group_s_sets_the_split_gdn_forward_for_its_row_only(monkeypatch):
     """(s) is (a) with DFLASH_KERNELS_GDN_FWD_SPLIT=1 while its row runs (the library reads it at each
-    call), restored after the row, also when the row fails."""
+    call), restored after the row, also when the row fails; (f) with =0; (a) leaves the library's pick."""
     import os
 
     import dflash_kernels.integrations.transformers as integ
@@ -384,7 +384,11 @@ def test_group_s_sets_the_split_gdn_forward_for_its_row_only(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         tok_s.run_group(setup, "s", 1, 0, cuda, torch.bfloat16)
     tok_s.run_group(setup, "a", 1, 0, cuda, torch.bfloat16)
-    assert seen == [True, True, False] and "DFLASH_KERNELS_GDN_FWD_SPLIT" not in os.environ
+    tok_s.run_group(setup, "f", 1, 0, cuda, torch.bfloat16)
+    assert seen == [True, True, None, False] and "DFLASH_KERNELS_GDN_FWD_SPLIT" not in os.environ
+    f = tok_s.group_plan("f", cuda)
+    assert f["env"] == {"DFLASH_KERNELS_GDN_FWD_SPLIT": "0"}
+    assert {k: v for k, v in f.items() if k not in ("label", "env")} == {k: v for k, v in a.items() if k != "label"}
 
 
 @pytest.mark.parametrize("shape_pass", [True, False])

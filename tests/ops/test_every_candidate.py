@@ -154,26 +154,29 @@ def _conv1d_update(size, dtype):
     assert torch.equal(state, state_ref), "conv_state after the update"
 
 
-def _gdn_chunk(size, dtype):
-    from tests.ops.test_gated_delta_rule import _compare, _inputs
+def _gdn_forward(split: str):
+    """The chunked op, forward and backward, with the forward forced fused (``"0"``: its scan writes the
+    output) or split (``"1"``: the state scan, then the output kernel), whatever the library would pick
+    for the shape (it splits for few sequences and heads on a GPU)."""
+    def driver(size, dtype):
+        import os
 
-    shape = (1, 1024, 4, 8, 128, 128) if size == "real" else (2, 333, 2, 6, 128, 128)
-    _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
+        from tests.ops.test_gated_delta_rule import _compare, _inputs
+
+        shape = (1, 1024, 4, 8, 128, 128) if size == "real" else (2, 333, 2, 6, 128, 128)
+        before = os.environ.get("DFLASH_KERNELS_GDN_FWD_SPLIT")
+        os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = split
+        try:
+            _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
+        finally:
+            if before is None:
+                del os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"]
+            else:
+                os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = before
+    return driver
 
 
-def _gdn_split(size, dtype):
-    """The forward's output kernel runs in the split forward only (DFLASH_KERNELS_GDN_FWD_SPLIT=1)."""
-    import os
-
-    before = os.environ.get("DFLASH_KERNELS_GDN_FWD_SPLIT")
-    os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = "1"
-    try:
-        _gdn_chunk(size, dtype)
-    finally:
-        if before is None:
-            del os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"]
-        else:
-            os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = before
+_gdn_chunk, _gdn_split = _gdn_forward("0"), _gdn_forward("1")
 
 
 def _gdn_recurrent(size, dtype):

@@ -166,6 +166,7 @@ def test_split_forward_matches_fused(monkeypatch, save, B, T, Hk, Hv, K, V, dtyp
     kwargs = dict(use_qk_l2norm_in_kernel=l2)
     if save:
         monkeypatch.setenv("DFLASH_KERNELS_GDN_SAVE_STATES", "1")
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "0")
     fused = _run(chunk_gated_delta_rule, tensors, kwargs, final, do, dht)
     monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "1")
     launched = []
@@ -183,6 +184,34 @@ def test_split_forward_matches_fused(monkeypatch, save, B, T, Hk, Hv, K, V, dtyp
     _compare(tensors, kwargs, final, dtype)
 
 
+def test_split_forward_choice(monkeypatch):
+    """The library splits the forward on a GPU when the sequence-heads fill at most a quarter of its SMs, keeps
+    the fused scan on the CPU, and obeys DFLASH_KERNELS_GDN_FWD_SPLIT=1 / 0; another value is refused by name."""
+    from dflash_kernels.runtime import devices
+
+    monkeypatch.setattr(devices.torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"multi_processor_count": 132})())
+    devices.sm_count.cache_clear()
+    try:
+        monkeypatch.setattr(devices.torch.cuda, "current_device", lambda: 0)
+        cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+        monkeypatch.delenv("DFLASH_KERNELS_GDN_FWD_SPLIT", raising=False)
+        assert gdn_module._split_forward(1, 32, cuda) and gdn_module._split_forward(1, 33, cuda)
+        assert not gdn_module._split_forward(1, 34, cuda) and not gdn_module._split_forward(2, 32, cuda)
+        assert not gdn_module._split_forward(4, 48, cuda) and not gdn_module._split_forward(1, 1, cpu)
+        monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "1")
+        assert gdn_module._split_forward(4, 48, cuda) and gdn_module._split_forward(1, 1, cpu)
+        monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "0")
+        assert not gdn_module._split_forward(1, 32, cuda)
+        monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "auto")
+        assert gdn_module._split_forward(1, 32, cuda)
+        monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "maybe")
+        with pytest.raises(ValueError, match="DFLASH_KERNELS_GDN_FWD_SPLIT.*maybe"):
+            gdn_module._split_forward(1, 32, cuda)
+    finally:
+        devices.sm_count.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_split_forward_varlen_and_nonfinite(monkeypatch, dtype):
     """The split forward on packed sequences (shorter than a chunk, empty, off the boundary) with a NaN in
@@ -195,6 +224,7 @@ def test_split_forward_varlen_and_nonfinite(monkeypatch, dtype):
     v[0, 110, 1, 3] = float("nan")  # sequence 3 (rows 94..159), value head 1, chunk-local row 16
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
     with torch.no_grad():
+        monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "0")
         o, ht = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
         monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "1")
         o_s, ht_s = chunk_gated_delta_rule(q, k, v, g, beta, **kw)
@@ -394,10 +424,12 @@ def test_gpu_every_scan_candidate(monkeypatch, name, index):
     may pick any of them on some shape)."""
     kernel = _SCANS[name]
     monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "0")  # the fused scan (auto splits at 1 x 6 heads)
     kernel.reset()
     try:
         tensors = _inputs(1, 333, 2, 6, 128, 128, torch.bfloat16, h0=True)
         _compare(tensors, dict(use_qk_l2norm_in_kernel=True), True, torch.bfloat16)
+        assert kernel.cache_info(), f"{name}: not launched"
     finally:
         kernel.reset()
 

