@@ -193,7 +193,6 @@ def test_split_forward_choice(monkeypatch):
                         lambda i: type("P", (), {"multi_processor_count": 132})())
     devices.sm_count.cache_clear()
     try:
-        monkeypatch.setattr(devices.torch.cuda, "current_device", lambda: 0)
         cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
         monkeypatch.delenv("DFLASH_KERNELS_GDN_FWD_SPLIT", raising=False)
         assert gdn_module._split_forward(1, 32, cuda) and gdn_module._split_forward(1, 33, cuda)

@@ -25,6 +25,7 @@ __all__ = ["rms_norm", "rms_norm_gated", "rms_norm_fwd", "rms_norm_bwd"]
 OP = "rms_norm"
 _op = Op(OP)
 
+
 def _bwd_programs(device: torch.device, N: int) -> int:
     """Programs of the backward (each one partial weight-gradient row): two per SM on a GPU."""
     if device.type != "cuda":
