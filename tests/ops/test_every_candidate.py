@@ -160,19 +160,13 @@ def _gdn_forward(split: str):
     for the shape (it splits for few sequences and heads on a GPU)."""
     def driver(size, dtype):
         import os
+        from unittest import mock
 
         from tests.ops.test_gated_delta_rule import _compare, _inputs
 
         shape = (1, 1024, 4, 8, 128, 128) if size == "real" else (2, 333, 2, 6, 128, 128)
-        before = os.environ.get("DFLASH_KERNELS_GDN_FWD_SPLIT")
-        os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = split
-        try:
+        with mock.patch.dict(os.environ, {"DFLASH_KERNELS_GDN_FWD_SPLIT": split}):
             _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
-        finally:
-            if before is None:
-                del os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"]
-            else:
-                os.environ["DFLASH_KERNELS_GDN_FWD_SPLIT"] = before
     return driver
 
 
