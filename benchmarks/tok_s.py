@@ -28,7 +28,8 @@ weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends i
   which every group shares), and these rows are its A/B (``--groups a,n`` / ``b,bn``); where the target
   runs as graphs, (a) also routes its GDN layers with ``use_dflash_kernels(..., gdn_layers=True)`` (q and
   k reach the delta rule at their own head count instead of transformers 5.17's copies to the value heads:
-  1.1 ms of device time per step at the ``real`` preset; the trainer does the same), and (r) is (a)
+  1.1 ms of device time per step at the ``real`` preset; and the kernels compute the decay and beta from the
+  raw gate and logits; the trainer does the same), and (r) is (a)
   without that route; likewise every group runs the drafter's forward, backward, clip and AdamW step as
   CUDA graphs (``TrainConfig.step_cuda_graphs="auto"``, ``trainer/step_graph.py``; ``--step-graphs``
   sets it), and (w) (a) and (bw) (b) are the rows with the eager step, its A/B; (s) and (f)
@@ -297,7 +298,7 @@ def group_plan(group: str, dev) -> dict:
         if group == "n":
             plan.update(label="(n) (a) with the target's forward eager (no CUDA graphs)", target_graphs=False)
         if group == "r":
-            plan.update(label="(r) (a) without the GDN layer route (q, k copied to the value heads)", gdn_layers=False)
+            plan.update(label="(r) (a) without the GDN layer route (transformers' GDN layer forward)", gdn_layers=False)
         if group == "w":
             plan.update(label="(w) (a) with the drafter's step eager (no CUDA graphs)", step_graphs=False)
         return plan

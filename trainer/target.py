@@ -219,8 +219,9 @@ def load_target(path: str, layer_ids=None, k: int = 5, device="cpu", dtype=torch
     (``dflash_kernels.integrations.transformers``); dense targets have none and run unchanged.
     ``elementwise`` (default: on a CUDA device) also routes its norms, SiLU MLPs and RoPE to the fused
     ops (``use_dflash_kernels(..., elementwise=True)``: process-wide, as transformers' functions are).
-    ``gdn_layers`` routes the GDN layers' forward too (q and k at their own head count; the trainer sets it
-    where the target's forward runs as CUDA graphs, which take its extra host work out of the step).
+    ``gdn_layers`` routes the GDN layers' forward too (q and k at their own head count, the gate computed in
+    the kernels; the trainer sets it where the target's forward runs as CUDA graphs, which take its extra
+    host work out of the step).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -24,9 +24,10 @@ computes (checked on the source text, so a changed formula is left alone):
   layers' output norm) -> :func:`dflash_kernels.ops.rms_norm.rms_norm_gated` with ``round_normed=True``
   (transformers' roundings, in one pass).
 
-With ``gdn_layers=True`` (opt-in), where transformers' GDN layer copies q and k to the value heads before
-the delta rule (``repeat_interleave``, up to 5.2x), the layer's cache-less forward is replaced by one that
-gives the kernels q and k at their own head count (checked on the source text like the routes above).
+With ``gdn_layers=True`` (opt-in) the Qwen3.5 GDN layer's cache-less forward is replaced by one that gives
+the kernels q and k at their own head count (transformers up to 5.2x copies them to the value heads with
+``repeat_interleave``) and the raw gate and beta logits, the decay and ``sigmoid`` computed inside the
+kernels (checked on the source text like the routes above).
 
 The replacement is per modeling module, so it applies to every model of that architecture in the
 process; :meth:`KernelRouting.undo` restores transformers' functions (those that call patched).
@@ -119,10 +120,10 @@ def _mlp_forward(self, x):
     return self.down_proj(_swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
-# transformers' Qwen3.5 GDN layer (up to 5.2x), the lines the training route below computes the same way:
-# the one it leaves out is the copy of q and k to the value heads (the kernels take Hk < Hv heads as they are).
-_GDN_LAYER_SOURCE = ("query = query.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=2)",
-                     "hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)",
+# transformers' Qwen3.5 GDN layer, the lines the training route below computes the same way. What it leaves
+# out: the copy of q and k to the value heads (versions up to 5.2x; the kernels take Hk < Hv heads as they
+# are) and the decay and beta's elementwise chain (the kernels compute both from a, b, A_log and dt_bias).
+_GDN_LAYER_SOURCE = ("hidden_states = apply_mask_to_padding_states(hidden_states, attention_mask)",
                      "mixed_qkv = self.in_proj_qkv(hidden_states)",
                      "z = self.in_proj_z(hidden_states)",
                      "b = self.in_proj_b(hidden_states)",
@@ -135,8 +136,10 @@ _GDN_LAYER_SOURCE = ("query = query.repeat_interleave(self.num_v_heads // self.n
 
 
 def _make_gdn_layer_forward(module, original):
-    """The GDN layer's forward without a cache (training, the frozen target's features) with q and k
-    given to the kernels at their own head count; with a cache (generation) transformers' forward."""
+    """The GDN layer's forward without a cache (training, the frozen target's features): q and k given to
+    the kernels at their own head count, and the decay ``-exp(A_log) * softplus(a + dt_bias)`` and
+    ``beta = sigmoid(b)`` computed inside them (fp32; transformers rounds beta to the activations' dtype)
+    instead of by seven elementwise kernels per layer. With a cache (generation): transformers' forward."""
     mask_padding = module.apply_mask_to_padding_states
 
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
@@ -154,9 +157,8 @@ def _make_gdn_layer_forward(module, original):
         q = q.reshape(batch, seq_len, -1, self.head_k_dim)
         k = k.reshape(batch, seq_len, -1, self.head_k_dim)
         v = v.reshape(batch, seq_len, -1, self.head_v_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)
-        o, _ = dk.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+        o, _ = dk.chunk_gated_delta_rule(q, k, v, a, b, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                         A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True,
                                          cu_seqlens=kwargs.get("cu_seq_lens_q"))
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(batch, seq_len, -1))
@@ -250,10 +252,11 @@ def use_dflash_kernels(model, elementwise: bool = False, gdn_layers: bool = Fals
         model: a transformers model (``nn.Module``) with Qwen3.5 / Qwen3-Next style linear-attention
             layers.
         elementwise: also route the norms, MLP activations and RoPE of the same modeling modules.
-        gdn_layers: where transformers' GDN layer copies q and k to the value heads before the delta
-            rule (``repeat_interleave``, versions up to 5.2x), replace the layer's cache-less forward by
-            one that passes them at their own head count (opt-in: on the H200 it saved the copies' 1.2 ms of
-            device time per 4B-target forward, but that host-bound forward's wall time did not drop).
+        gdn_layers: replace the GDN layer's cache-less forward by one that passes q and k at their own
+            head count (transformers up to 5.2x copies them to the value heads: on the H200 that copy
+            took 1.2 ms of device time per 4B-target forward) and lets the kernels compute the decay and
+            beta from the raw gate and logits (seven elementwise kernels less per layer). Opt-in: its
+            host work pays off where the forward runs as CUDA graphs (the trainer's rule).
 
     Returns:
         A :class:`KernelRouting` whose ``undo()`` restores transformers' functions.

@@ -169,39 +169,51 @@ def test_elementwise_routes_run_the_ops_and_can_be_left_out(model, monkeypatch):
 
 
 def test_gdn_layers_give_the_kernels_q_and_k_at_their_own_head_count(model, monkeypatch):
-    """The delta rule gets q and k with the layer's key-head count (2 here, for 4 value heads) and no
-    ``repeat_interleave`` copy runs: transformers up to 5.2x copies them to the value heads in the GDN
-    layer's forward, which the route then replaces (undone by ``undo``); later versions pass them as
-    they are, and their layer is left alone. Outputs and gradients match transformers' torch path."""
+    """The routed GDN layer gives the delta rule q and k with the layer's key-head count (2 here, for 4
+    value heads; transformers up to 5.2x copies them to the value heads with ``repeat_interleave``, which
+    never runs here) and the raw gate and beta logits with A_log and dt_bias (the decay and sigmoid
+    computed in the kernels: no softplus or sigmoid runs). ``undo`` restores transformers' forward.
+    Outputs and the gradients of every parameter (A_log and dt_bias through the kernels) match
+    transformers' torch path."""
     _require_kernels()
     layer_cls = modeling_qwen3_5.Qwen3_5GatedDeltaNet
     original = layer_cls.forward
-    copies_heads = "repeat_interleave(self.num_v_heads" in inspect.getsource(inspect.unwrap(original))
     ids = torch.randint(0, 97, (2, 70), device=device())
     ref = model(ids, use_cache=False).logits  # as the trainer's target; with a cache, transformers' forward
     ref_grads = torch.autograd.grad(ref.square().mean(), list(model.parameters()))
-    heads, repeats = [], [0]
-    real_gdn, real_repeat = dk.chunk_gated_delta_rule, torch.Tensor.repeat_interleave
+    heads, gates, calls = [], [], {"repeat_interleave": 0, "softplus": 0, "sigmoid": 0}
+    real_gdn = dk.chunk_gated_delta_rule
+    real = {"repeat_interleave": torch.Tensor.repeat_interleave, "sigmoid": torch.Tensor.sigmoid,
+            "softplus": torch.nn.functional.softplus}
 
-    def gdn(q, k, v, *args, **kwargs):
+    def gdn(q, k, v, g, beta, *args, **kwargs):
         heads.append((q.shape[2], k.shape[2], v.shape[2]))
-        return real_gdn(q, k, v, *args, **kwargs)
+        layer = next(m for m in model.modules() if isinstance(m, layer_cls) and m.A_log is kwargs.get("A_log"))
+        gates.append((kwargs.get("use_gate_in_kernel"), kwargs.get("use_beta_sigmoid_in_kernel"),
+                       kwargs.get("dt_bias") is layer.dt_bias, g.shape[-1], beta.shape[-1]))
+        return real_gdn(q, k, v, g, beta, *args, **kwargs)
 
-    def repeat(self, *args, **kwargs):
-        repeats[0] += 1
-        return real_repeat(self, *args, **kwargs)
+    def counting(name):
+        def fn(*args, **kwargs):
+            calls[name] += 1
+            return real[name](*args, **kwargs)
+        return fn
     monkeypatch.setattr(dk, "chunk_gated_delta_rule", gdn)
-    monkeypatch.setattr(torch.Tensor, "repeat_interleave", repeat)
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", counting("repeat_interleave"))
+    monkeypatch.setattr(torch.Tensor, "sigmoid", counting("sigmoid"))
+    monkeypatch.setattr(torch.nn.functional, "softplus", counting("softplus"))
     routing = use_dflash_kernels(model, gdn_layers=True)
     try:
-        assert (layer_cls.forward is not original) == copies_heads
+        assert layer_cls.forward is not original
         out = model(ids, use_cache=False).logits
         grads = torch.autograd.grad(out.square().mean(), list(model.parameters()))
     finally:
         routing.undo()
     assert layer_cls.forward is original
     n_gdn = sum(t == "linear_attention" for t in model.config.layer_types)
-    assert heads == [(2, 2, 4)] * n_gdn and repeats[0] == 0, (heads, repeats)
+    assert heads == [(2, 2, 4)] * n_gdn, heads
+    assert gates == [(True, True, True, 4, 4)] * n_gdn, gates
+    assert calls == {"repeat_interleave": 0, "softplus": 0, "sigmoid": 0}, calls
     tol_out, tol_grad = (1e-3, 5e-3) if out.is_cuda else (1e-4, 1e-3)
     assert rel_err(out, ref) < tol_out
     for (name, _), g, r in zip(model.named_parameters(), grads, ref_grads):
