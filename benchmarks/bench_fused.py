@@ -15,14 +15,18 @@ Cases (bf16 activations):
   one-head companion (head-major views, as transformers passes them), a few percent more work; it
   rotates them in place, so the output error is taken against a reference computed first.
 - ``swiglu``: gate, up ``[8192, 9216]``. Eager: ``F.silu(g) * u``; Liger: ``LigerSiLUMulFunction``.
+- ``addrms8192_w``: the residual add and RMSNorm of the drafter's layers, x and residual ``[8192, 2560]``,
+  fp32 weight, both outputs (the norm and the sum) given a gradient. Eager: ``x + r`` then the drafter's
+  chain; Liger: ``liger_fused_add_rms_norm(x, r, w, eps, 0, casting_mode="gemma", in_place=False)``;
+  ours: ``fused_add_rms_norm``.
 
 Times are ``triton.testing.do_bench`` medians (``bench_common.bench_ms``): the forward with inputs not
 requiring grad, and forward + backward as ``torch.autograd.grad`` over every input that takes a
-gradient (x and weight; x; gate and up). Each row also gives the output's relative error against the
-fp32 reference (``naive.py``). Each implementation runs every case in a fresh process (``--impl NAME``)
-that prints ``RESULT {json}`` lines; the table comes last and the rows are appended to
-``benchmarks/results/ops.jsonl`` (ops ``rms_norm``, ``rope``, ``swiglu``). Without a CUDA device the
-script says so and exits.
+gradient (x and weight; x; gate and up; x, residual and weight). Each row also gives the output's relative
+error against the fp32 reference (``naive.py``). Each implementation runs every case in a fresh process
+(``--impl NAME``) that prints ``RESULT {json}`` lines; the table comes last and the rows are appended to
+``benchmarks/results/ops.jsonl`` (ops ``rms_norm``, ``rope``, ``swiglu``, ``add_rms_norm``). Without a CUDA
+device the script says so and exits.
 """
 
 import argparse
@@ -51,12 +55,13 @@ CASES = {
     "rope_q": dict(op="rope", B=1, T=8192, H=32, D=128),
     "rope_k": dict(op="rope", B=1, T=3072 + 8192, H=8, D=128),
     "swiglu": dict(op="swiglu", N=8192, C=9216),
+    "addrms8192_w": dict(op="add_rms_norm", N=8192, D=2560, offset=0.0, wdtype=torch.float32),
 }
 EPS = 1e-6
 
 
 def _shape(c):
-    if c["op"] == "rms_norm":
+    if c["op"] in ("rms_norm", "add_rms_norm"):
         return f"[{c['N']},{c['D']}] offset={c['offset']:g} w={str(c['wdtype']).replace('torch.', '')}"
     if c["op"] == "rope":
         return f"[{c['B']},{c['T']},{c['H']},{c['D']}]"
@@ -93,6 +98,20 @@ def rms_fn(impl):
     return lambda x, w, offset: rms_norm(x, w, EPS, offset)
 
 
+def add_rms_fn(impl):
+    if impl == "eager":
+        def run(x, r, w, offset):
+            h = x + r
+            return _eager_rms(h, w, offset), h
+        return run
+    if impl == "liger":
+        from liger_kernel.transformers.functional import liger_fused_add_rms_norm
+        return lambda x, r, w, offset: liger_fused_add_rms_norm(x, r, w, EPS, offset, casting_mode="gemma",
+                                                                in_place=False)
+    from dflash_kernels.ops.rms_norm import fused_add_rms_norm
+    return lambda x, r, w, offset: fused_add_rms_norm(x, r, w, EPS, offset)
+
+
 def rope_fn(impl):
     if impl == "eager":
         return _eager_rope
@@ -122,6 +141,11 @@ def swiglu_fn(impl):
 
 def _inputs(c, dev):
     bf = torch.bfloat16
+    if c["op"] == "add_rms_norm":
+        x = (torch.randn(c["N"], c["D"], device=dev) * 2).to(bf)
+        r = (torch.randn(c["N"], c["D"], device=dev) * 4).to(bf)
+        w = (torch.randn(c["D"], device=dev) * 0.2 + 1.0).to(c["wdtype"])
+        return [x, r, w], [True, True, True]
     if c["op"] == "rms_norm":
         x = (torch.randn(c["N"], c["D"], device=dev) * 2).to(bf)
         w = (torch.randn(c["D"], device=dev) * 0.2 + (0.0 if c["offset"] else 1.0)).to(c["wdtype"])
@@ -139,6 +163,9 @@ def _inputs(c, dev):
 
 
 def _reference(c, args):
+    if c["op"] == "add_rms_norm":
+        from dflash_kernels.ops.rms_norm.naive import naive_fused_add_rms_norm
+        return naive_fused_add_rms_norm(args[0].float(), args[1].float(), args[2], EPS, c["offset"])[0]
     if c["op"] == "rms_norm":
         from dflash_kernels.ops.rms_norm.naive import naive_rms_norm
         return naive_rms_norm(args[0], args[1], EPS, c["offset"]).float()
@@ -153,28 +180,29 @@ def measure(impl: str, cname: str) -> dict:
     c = CASES[cname]
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    fn = {"rms_norm": rms_fn, "rope": rope_fn, "swiglu": swiglu_fn}[c["op"]](impl)
+    fn = {"rms_norm": rms_fn, "rope": rope_fn, "swiglu": swiglu_fn, "add_rms_norm": add_rms_fn}[c["op"]](impl)
     args, needs = _inputs(c, dev)
-    extra = (c["offset"],) if c["op"] == "rms_norm" else ()
+    extra = (c["offset"],) if c["op"] in ("rms_norm", "add_rms_norm") else ()
     row = {"op": c["op"], "impl": impl, "case": cname, "shape": _shape(c), "dtype": "torch.bfloat16"}
     with torch.no_grad():
         # The reference first: Liger's RoPE rotates q and k in place (its inputs are projection
         # outputs nobody reads again), so after the call the inputs are no longer the inputs.
         ref = _reference(c, args)
         out = fn(*args, *extra)
-        row["out_rel_err"] = _rel(out.float(), ref)
+        outs = out if isinstance(out, tuple) else (out,)  # add_rms_norm: (norm, sum); the error is the norm's
+        row["out_rel_err"] = _rel(outs[0].float(), ref)
         del ref
         row["fwd_ms"] = bench_ms(lambda: fn(*args, *extra))
     leaves = [a.detach().clone().requires_grad_(n) for a, n in zip(args, needs)]
     grads_of = [t for t in leaves if t.requires_grad]
-    dy = torch.randn_like(out)
+    dys = [torch.randn_like(o) for o in outs]
 
     def fwd_bwd():
         y = fn(*leaves, *extra)
-        return torch.autograd.grad(y, grads_of, dy)
+        return torch.autograd.grad(y if isinstance(y, tuple) else (y,), grads_of, dys)
     fwd_bwd()
     row["fwdbwd_ms"] = bench_ms(fwd_bwd)
-    moved = sum(a.numel() * a.element_size() for a in args) + out.numel() * out.element_size()
+    moved = sum(a.numel() * a.element_size() for a in args) + sum(o.numel() * o.element_size() for o in outs)
     row["fwd_GBps"] = moved / row["fwd_ms"] / 1e6
     return row
 

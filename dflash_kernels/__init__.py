@@ -27,7 +27,7 @@ from dflash_kernels.ops.attention import (  # noqa: E402
 from dflash_kernels.ops.adamw import fused_adamw_  # noqa: E402
 from dflash_kernels.ops.conv1d import causal_conv1d, causal_conv1d_update  # noqa: E402
 from dflash_kernels.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
-from dflash_kernels.ops.rms_norm import rms_norm, rms_norm_gated  # noqa: E402
+from dflash_kernels.ops.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_gated  # noqa: E402
 from dflash_kernels.ops.rope import apply_rope  # noqa: E402
 from dflash_kernels.ops.swiglu import swiglu, swiglu_packed  # noqa: E402
 from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
@@ -38,6 +38,6 @@ from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
 __all__ = [
     "__version__", "BackendUnavailable", "apply_rope", "BlockSparseMask", "block_sparse_attention", "causal_block_mask",
     "dflash_block_mask", "from_flex_block_mask", "KernelCacheMiss", "backends", "cache_info", "causal_conv1d",
-    "causal_conv1d_update", "chunk_gated_delta_rule", "fused_adamw_", "fused_recurrent_gated_delta_rule", "get_backend", "linear_cross_entropy", "precompile", "reset_cache", "rms_norm", "rms_norm_gated", "set_backend", "strict", "swiglu",
+    "causal_conv1d_update", "chunk_gated_delta_rule", "fused_adamw_", "fused_add_rms_norm", "fused_recurrent_gated_delta_rule", "get_backend", "linear_cross_entropy", "precompile", "reset_cache", "rms_norm", "rms_norm_gated", "set_backend", "strict", "swiglu",
     "swiglu_packed",
 ]

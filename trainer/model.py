@@ -194,6 +194,16 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
+def add_rms_norm(norm: RMSNorm, x, residual):
+    """``(norm(h), h)`` with ``h = x + residual``: the fused op (one pass forward and backward, the residual
+    stream's gradient added in the norm's backward) where the drafter runs its fused ops, else the add and
+    the norm. The same h either way (one rounding of the sum)."""
+    if _fused(x):
+        return dk.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    h = x + residual
+    return norm(h), h
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, layer_type: str):
         super().__init__()
@@ -203,9 +213,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_ctx, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_ctx, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ctx, rope_q, rope_ctx, mask, residual=None):
+        """Pre-norm residual layer, ``h + attn(norm(h))`` then ``+ mlp(norm(.))``, with the adds folded into
+        the norms after them: ``residual`` None, ``x`` is the layer's input h; else the input is
+        ``x + residual`` (``x`` the previous layer's MLP output). Returns ``(mlp output, residual)``, whose
+        sum is the layer's output."""
+        if residual is None:
+            a, residual = self.input_layernorm(x), x
+        else:
+            a, residual = add_rms_norm(self.input_layernorm, x, residual)
+        a = self.self_attn(a, ctx, rope_q, rope_ctx, mask)
+        m, residual = add_rms_norm(self.post_attention_layernorm, a, residual)
+        return self.mlp(m), residual
 
 
 class DFlashDrafter(nn.Module):
@@ -268,10 +287,10 @@ class DFlashDrafter(nn.Module):
         # mixed-dtype kernel (CUDA's dynamic-casting path) with the same result.
         rope_q = tuple(_rounded(t, ctx.dtype) for t in rope_cos_sin(pos_q, cfg.head_dim, cfg.rope_theta))
         rope_ctx = tuple(_rounded(t, ctx.dtype) for t in rope_cos_sin(pos_ctx, cfg.head_dim, cfg.rope_theta))
-        x = block_embeds.to(ctx.dtype)
+        x, residual = block_embeds.to(ctx.dtype), None
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_ctx, masks[layer.layer_type])
-        return self.norm(x)
+            x, residual = layer(x, ctx, rope_q, rope_ctx, masks[layer.layer_type], residual)
+        return self.norm(x) if residual is None else add_rms_norm(self.norm, x, residual)[0]
 
     def save_pretrained(self, path: str) -> None:
         """An HF-style folder: ``config.json`` (with the DFlash fields) and ``model.safetensors``."""

@@ -252,19 +252,23 @@ def test_kernel_configs_compile_for_hopper():
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
     mod = "dflash_kernels.ops.rms_norm.kernels"
     fwd_types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "g_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32",
-                 "eps": "fp32", "offset": "fp32"}
+                 "eps": "fp32", "offset": "fp32", "r_ptr": "*bf16", "h_ptr": "*bf16"}
     bwd_types = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "g_ptr": "*bf16", "rstd_ptr": "*fp32",
-                 "dx_ptr": "*bf16", "dg_ptr": "*bf16", "dw_ptr": "*fp32", "offset": "fp32"}
-    plain, gated = dict(HAS_GATE=False, ROUND=0), dict(HAS_GATE=True, ROUND=2)
+                 "dx_ptr": "*bf16", "dg_ptr": "*bf16", "dw_ptr": "*fp32", "offset": "fp32", "dr_ptr": "*bf16"}
+    plain, gated = dict(HAS_GATE=False, ROUND=0, HAS_RES=False), dict(HAS_GATE=True, ROUND=2, HAS_RES=False)
+    res = dict(HAS_GATE=False, ROUND=0, HAS_RES=True)
+    bplain, bres = dict(HAS_GATE=False, HAS_DRES=False), dict(HAS_GATE=False, HAS_DRES=True)
     shared = []
     for fn, types, consts, configs in [
             ("_rms_norm_fwd_kernel", fwd_types, dict(D=128, BD=128, **plain), k.FWD_NARROW_CONFIGS),
             ("_rms_norm_fwd_kernel", fwd_types, dict(D=128, BD=128, **gated), k.FWD_NARROW_CONFIGS),
             ("_rms_norm_fwd_kernel", fwd_types, dict(D=2560, BD=4096, **plain), k.FWD_WIDE_CONFIGS),
-            ("_rms_norm_bwd_kernel", bwd_types, dict(D=256, BD=256, HAS_DW=True, HAS_GATE=False), k.BWD_NARROW_CONFIGS),
-            ("_rms_norm_bwd_kernel", bwd_types, dict(D=128, BD=128, HAS_DW=True, HAS_GATE=True), k.BWD_NARROW_CONFIGS),
-            ("_rms_norm_bwd_kernel", bwd_types, dict(D=2560, BD=4096, HAS_DW=True, HAS_GATE=False),
-             k.BWD_WIDE_CONFIGS)]:
+            ("_rms_norm_fwd_kernel", fwd_types, dict(D=2560, BD=4096, **res), k.FWD_WIDE_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=256, BD=256, HAS_DW=True, **bplain), k.BWD_NARROW_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=128, BD=128, HAS_DW=True, HAS_GATE=True, HAS_DRES=False),
+             k.BWD_NARROW_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=2560, BD=4096, HAS_DW=True, **bplain), k.BWD_WIDE_CONFIGS),
+            ("_rms_norm_bwd_kernel", bwd_types, dict(D=2560, BD=4096, HAS_DW=True, **bres), k.BWD_WIDE_CONFIGS)]:
         shared += hopper_shared_memory(mod, fn, types, consts, [(c.num_warps, c.num_stages, c.meta) for c in configs])
     assert all(s <= H200_SHARED_MEMORY for s in shared), shared
 

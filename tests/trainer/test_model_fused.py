@@ -48,15 +48,23 @@ def test_fused_ops_match_plain_torch_fp32(monkeypatch):
         assert resolve(op, device()) in ("interpret", "triton"), f"{op}: the kernels must run (TRITON_INTERPRET=1)"
     drafter, emb, feats, anchors = _drafter_and_inputs(device())
     ref, ref_de, ref_g = _run(drafter, emb, feats, anchors, False, monkeypatch)
-    calls = []
-    real = model_mod.fused_rms_norm
+    calls = {"rms_norm": 0, "add": 0}
+    real, real_add = model_mod.fused_rms_norm, model_mod.dk.fused_add_rms_norm
 
     def counting(*a, **k):
-        calls.append(1)
+        calls["rms_norm"] += 1
         return real(*a, **k)
+
+    def counting_add(*a, **k):
+        calls["add"] += 1
+        return real_add(*a, **k)
     monkeypatch.setattr(model_mod, "fused_rms_norm", counting)
+    monkeypatch.setattr(model_mod.dk, "fused_add_rms_norm", counting_add)
     out, de, grads = _run(drafter, emb, feats, anchors, True, monkeypatch)
-    assert calls, "the fused path ran no fused RMSNorm"
+    assert calls["rms_norm"], "the fused path ran no fused RMSNorm"
+    # every residual add but the first layer's input folded into the norm after it: 2 per layer, less the
+    # first layer's input norm, plus the final norm
+    assert calls["add"] == 2 * drafter.config.num_layers, calls
     tol = 2e-3 if device().type == "cuda" else 1e-5  # tf32 GEMMs on a GPU make the two runs differ
     assert rel_err(out, ref) < tol
     assert rel_err(de, ref_de) < tol

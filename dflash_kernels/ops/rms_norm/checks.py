@@ -5,7 +5,7 @@ import numbers
 
 from dflash_kernels.runtime.checks import FLOAT_DTYPES, check_same_device, check_tensor
 
-__all__ = ["check_rms_norm", "check_gate", "MAX_D"]
+__all__ = ["check_rms_norm", "check_gate", "check_residual", "MAX_D"]
 
 MAX_D = 16384  # one row is one block of the kernels
 
@@ -39,3 +39,13 @@ def check_gate(x, gate):
     if gate.shape != x.shape:
         raise ValueError(f"gate: expected x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     check_same_device(x=x, gate=gate)
+
+
+def check_residual(x, residual):
+    """The residual of ``fused_add_rms_norm``: a tensor of ``x``'s shape and dtype on its device."""
+    check_tensor("residual", residual, dtypes=FLOAT_DTYPES)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: expected x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual: expected x's dtype {x.dtype}, got {residual.dtype}")
+    check_same_device(x=x, residual=residual)

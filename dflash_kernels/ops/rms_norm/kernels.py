@@ -10,6 +10,11 @@ Rows of ``D`` elements (``D`` constexpr, the whole row in one block of ``BD = ne
   accumulated per program over a contiguous range of rows and stored as one fp32 partial row per
   program; the host sums the partials (a fixed-order torch reduction): deterministic, no atomics.
 
+The residual form (``HAS_RES``, pre-norm decoder layers: ``h = x + residual; y = rms_norm(h)``) adds the
+residual first, rounds the sum ``h`` to x's dtype (what a plain ``x + residual`` gives), stores it and normalizes
+it; its backward (``HAS_DRES``) adds the gradient that reaches ``h`` from its other reader (the residual
+stream) to the norm's, so the one ``dx`` it writes is the gradient of both ``x`` and ``residual``.
+
 The gated form (``HAS_GATE``, the output norm of Gated DeltaNet layers) multiplies ``y`` by
 ``silu(gate)``: ``y = n * silu(g)``, ``n = xhat * w'``; backward ``dg = dy * n * silu'(g)`` and the norm's
 backward with ``dy * silu(g)``. ``ROUND`` reproduces transformers' ``RMSNormGated`` roundings in the
@@ -39,10 +44,12 @@ def _silu(g):
 
 @triton.jit(do_not_specialize=["N"])
 def _rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, N, stride_x, stride_g, stride_y, eps, offset,
+                         r_ptr, h_ptr, stride_r, stride_h,
                          D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, HAS_GATE: tl.constexpr,
-                         ROUND: tl.constexpr):
+                         ROUND: tl.constexpr, HAS_RES: tl.constexpr = False):
     """x ``[N, D]`` (row stride ``stride_x``), w ``[D]``, y ``[N, D]`` (row stride ``stride_y``), rstd ``[N]``
-    fp32; with ``HAS_GATE`` the gate ``[N, D]`` (row stride ``stride_g``)."""
+    fp32; with ``HAS_GATE`` the gate ``[N, D]`` (row stride ``stride_g``); with ``HAS_RES`` the residual
+    ``[N, D]`` (``stride_r``) and the sum ``h`` ``[N, D]`` written (``stride_h``, x's dtype)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     rmask = rows < N
     cols = tl.arange(0, BD)
@@ -50,6 +57,11 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, N, stride_x, stri
     mask = rmask[:, None] & cmask[None, :]
     r64 = rows.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:  # h = x + residual, rounded once to x's dtype (a plain add's result), then normalized
+        r = tl.load(r_ptr + r64[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        h = (x + r).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + r64[:, None] * stride_h + cols[None, :], h, mask=mask)
+        x = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32) + offset
     xhat = x * rstd[:, None]
@@ -67,10 +79,12 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, N, stride_x, stri
 
 @triton.jit(do_not_specialize=["N", "rows_per_program"])
 def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_ptr, N, rows_per_program,
-                         stride_dy, stride_x, stride_g, stride_dx, stride_dg, offset, D: tl.constexpr,
-                         BD: tl.constexpr, BM: tl.constexpr, HAS_DW: tl.constexpr, HAS_GATE: tl.constexpr):
+                         stride_dy, stride_x, stride_g, stride_dx, stride_dg, offset, dr_ptr, stride_dr,
+                         D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, HAS_DW: tl.constexpr,
+                         HAS_GATE: tl.constexpr, HAS_DRES: tl.constexpr = False):
     """dy, x, dx ``[N, D]`` (row strides), rstd ``[N]`` fp32; dw ``[programs, D]`` fp32 partial sums
-    (``HAS_DW``); with ``HAS_GATE`` the gate and its gradient ``[N, D]``. Program ``p`` handles rows
+    (``HAS_DW``); with ``HAS_GATE`` the gate and its gradient ``[N, D]``; with ``HAS_DRES`` the gradient
+    ``[N, D]`` (``stride_dr``) added to dx. Program ``p`` handles rows
     ``[p * rows_per_program, (p + 1) * rows_per_program)``."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
@@ -97,6 +111,8 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, 
         wdy = dy * w[None, :]
         c = tl.sum(xhat * wdy, axis=1) / D
         dx = (wdy - xhat * c[:, None]) * rstd[:, None]
+        if HAS_DRES:
+            dx += tl.load(dr_ptr + r64[:, None] * stride_dr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_DW:
             acc += dy * xhat

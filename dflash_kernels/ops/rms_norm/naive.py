@@ -2,7 +2,7 @@
 
 import torch
 
-__all__ = ["naive_rms_norm", "naive_rms_norm_gated"]
+__all__ = ["naive_rms_norm", "naive_rms_norm_gated", "naive_fused_add_rms_norm"]
 
 
 def naive_rms_norm(x, weight, eps=1e-6, offset=0.0):
@@ -25,3 +25,9 @@ def naive_rms_norm_gated(x, gate, weight, eps=1e-6, offset=0.0, round_normed=Fal
     else:
         n = xhat * (offset + weight.float())
     return (n * torch.nn.functional.silu(gate.float())).to(x.dtype)
+
+
+def naive_fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0):
+    """``(naive_rms_norm(h), h)`` with ``h = x + residual`` computed in fp32 and rounded to ``x``'s dtype."""
+    h = (x.float() + residual.float()).to(x.dtype)
+    return naive_rms_norm(h, weight, eps, offset), h

@@ -8,11 +8,11 @@ deterministic, no atomics); see ``kernels.py``. ``reference``: ``naive.py``'s fp
 weights under bf16 autocast); ``y`` in ``x``'s dtype, the weight gradient in ``weight``'s.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from dflash_kernels.ops.rms_norm.checks import check_gate, check_rms_norm
+from dflash_kernels.ops.rms_norm.checks import check_gate, check_residual, check_rms_norm
 from dflash_kernels.ops.rms_norm.kernels import (NARROW_D, rms_norm_bwd_narrow, rms_norm_bwd_wide,
                                                  rms_norm_fwd_narrow, rms_norm_fwd_wide)
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2
@@ -20,7 +20,7 @@ from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 from dflash_kernels.runtime.devices import device_index, sm_count
 from dflash_kernels.runtime.precompile import register_precompile
 
-__all__ = ["rms_norm", "rms_norm_gated", "rms_norm_fwd", "rms_norm_bwd"]
+__all__ = ["rms_norm", "rms_norm_gated", "fused_add_rms_norm", "rms_norm_fwd", "rms_norm_bwd"]
 
 OP = "rms_norm"
 _op = Op(OP)
@@ -38,23 +38,30 @@ def _unit_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- launchers
-def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, gate=None, round_mode: int = 0):
-    """x ``[N, D]`` (unit column stride) -> ``(y [N, D] in x's dtype, rstd [N] fp32)``; ``gate`` ``[N, D]``
-    (unit column stride) multiplies by ``silu(gate)``; ``round_mode`` is the kernels' ``ROUND``."""
+def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, gate=None, round_mode: int = 0,
+                 residual=None):
+    """x ``[N, D]`` (unit column stride) -> ``(y [N, D] in x's dtype, rstd [N] fp32, h)``; ``gate`` ``[N, D]``
+    (unit column stride) multiplies by ``silu(gate)``; ``round_mode`` is the kernels' ``ROUND``; ``residual``
+    ``[N, D]`` (unit column stride) is added first: ``h = x + residual`` (x's dtype) is normalized and
+    returned (None without a residual)."""
     N, D = x.shape
     y = alloc.empty((N, D), dtype=x.dtype, device=x.device)
     rstd = alloc.empty((N,), dtype=torch.float32, device=x.device)
+    h = None if residual is None else alloc.empty((N, D), dtype=x.dtype, device=x.device)
     if N:
         kernel = rms_norm_fwd_narrow if D <= NARROW_D else rms_norm_fwd_wide
         kernel(lambda m: (cdiv(N, m["BM"]),), x, weight, x if gate is None else gate, y, rstd, N, x.stride(0),
                0 if gate is None else gate.stride(0), y.stride(0), eps, offset,
+               x if residual is None else residual, y if h is None else h,
+               0 if residual is None else residual.stride(0), 0 if h is None else h.stride(0),
                bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D), HAS_GATE=gate is not None,
-               ROUND=round_mode)
-    return y, rstd
+               ROUND=round_mode, HAS_RES=residual is not None)
+    return y, rstd, h
 
 
-def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None):
-    """``(dx [N, D] in x's dtype, dw [D] in weight's dtype or None, dgate [N, D] in gate's dtype or None)``."""
+def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None, dres=None):
+    """``(dx [N, D] in x's dtype, dw [D] in weight's dtype or None, dgate [N, D] in gate's dtype or None)``;
+    ``dres`` ``[N, D]`` (unit column stride), a gradient that also reaches x, is added to dx."""
     N, D = x.shape
     dx = alloc.empty((N, D), dtype=x.dtype, device=x.device)
     dgate = None if gate is None else alloc.empty((N, D), dtype=gate.dtype, device=x.device)
@@ -65,8 +72,9 @@ def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None):
         kernel((P,), dy, x, weight, x if gate is None else gate, rstd, dx, dx if gate is None else dgate,
                partial if need_dw else rstd, N, cdiv(N, P), dy.stride(0), x.stride(0),
                0 if gate is None else gate.stride(0), dx.stride(0), 0 if gate is None else dgate.stride(0),
-               offset, bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D), HAS_DW=need_dw,
-               HAS_GATE=gate is not None)
+               offset, dy if dres is None else dres, 0 if dres is None else dres.stride(0),
+               bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D), HAS_DW=need_dw,
+               HAS_GATE=gate is not None, HAS_DRES=dres is not None)
     dw = None
     if need_dw:
         dw = (partial.sum(0) if N else torch.zeros(D, dtype=torch.float32, device=x.device)).to(weight.dtype)
@@ -75,7 +83,7 @@ def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None):
 
 # ------------------------------------------------------------------------------------- custom ops
 def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x, weight, eps, offset)
+    return rms_norm_fwd(x, weight, eps, offset)[:2]
 
 
 _fwd_op = torch.library.custom_op("dflash_kernels::rms_norm_fwd", mutates_args=())(_fwd_impl)
@@ -127,7 +135,7 @@ _fwd = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
 # ------------------------------------------------------------------------ custom ops, gated form
 def _gated_fwd_impl(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                     round_mode: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    return rms_norm_fwd(x, weight, eps, offset, gate=gate, round_mode=round_mode)
+    return rms_norm_fwd(x, weight, eps, offset, gate=gate, round_mode=round_mode)[:2]
 
 
 _gated_fwd_op = torch.library.custom_op("dflash_kernels::rms_norm_gated_fwd", mutates_args=())(_gated_fwd_impl)
@@ -174,6 +182,60 @@ def _gated_backward(ctx, dy, _drstd):
 
 
 _gated_fwd = differentiable_op(_gated_fwd_op, _gated_fwd_impl, _gated_setup_context, _gated_backward)
+
+# ---------------------------------------------------------------------- custom ops, residual form
+def _add_fwd_impl(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                  offset: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, rstd, h = rms_norm_fwd(x, weight, eps, offset, residual=residual)
+    return y, h, rstd
+
+
+_add_fwd_op = torch.library.custom_op("dflash_kernels::rms_norm_add_fwd", mutates_args=())(_add_fwd_impl)
+
+
+@_add_fwd_op.register_fake
+def _(x, residual, weight, eps, offset):
+    return x.new_empty(x.shape), x.new_empty(x.shape), x.new_empty((x.shape[0],), dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash_kernels::rms_norm_add_bwd", mutates_args=())
+def _add_bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor,
+                rstd: torch.Tensor, offset: float, need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    dx, dw, _ = rms_norm_bwd(_unit_rows(dy), h, weight, rstd, offset, need_dw,
+                             dres=None if dh is None else _unit_rows(dh))
+    return dx, dw if dw is not None else weight.new_empty((0,))
+
+
+@_add_bwd_op.register_fake
+def _(dy, dh, h, weight, rstd, offset, need_dw):
+    return h.new_empty(h.shape), weight.new_empty(weight.shape if need_dw else (0,))
+
+
+def _add_setup_context(ctx, inputs, output):
+    x, residual, weight, eps, offset = inputs
+    _, h, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)
+    ctx.offset = offset
+    ctx.save_for_backward(h, weight, rstd)
+
+
+_add_bwd_op_eager = eager_call(_add_bwd_op)
+
+
+def _add_backward(ctx, dy, dh, _drstd):
+    need_x, need_r, need_dw = ctx.needs_input_grad[:3]
+    h, weight, rstd = ctx.saved_tensors
+    if dy is None:  # only h was used: its gradient goes to x and residual as it is, no weight gradient
+        return (dh if need_x else None), (dh if need_r else None), None, None, None
+    if not (need_x or need_r or need_dw):
+        return None, None, None, None, None
+    dx, dw = _add_bwd_op_eager(dy, dh, h, weight, rstd, ctx.offset, need_dw)
+    return (dx if need_x else None), (dx if need_r else None), (dw if need_dw else None), None, None
+
+
+_add_fwd = differentiable_op(_add_fwd_op, _add_fwd_impl, _add_setup_context, _add_backward)
+
 
 # ------------------------------------------------------------------------------------ public API
 @_op.impl("reference")
@@ -245,6 +307,43 @@ def rms_norm_gated(x, gate, weight, eps=1e-6, offset=0.0, round_normed=False):
     if round_normed and x.dtype != torch.float32:
         round_mode = 2 if weight.dtype == x.dtype else 1
     return _gated_op(x.device, x, gate, weight, eps, offset, round_mode)
+
+
+_add_op = Op(OP + "_add")
+
+
+@_add_op.impl("reference")
+def _add_reference(x, residual, weight, eps, offset):
+    from dflash_kernels.ops.rms_norm.naive import naive_fused_add_rms_norm
+    return naive_fused_add_rms_norm(x, residual, weight, eps, offset)
+
+
+@_add_op.impl("triton", "interpret")
+def _add_fast(x, residual, weight, eps, offset):
+    D = x.shape[-1]
+    y, h, _ = _add_fwd(_unit_rows(x.reshape(-1, D)), _unit_rows(residual.reshape(-1, D)), weight, eps, offset)
+    return y.view(x.shape), h.view(x.shape)
+
+
+def fused_add_rms_norm(x, residual, weight, eps=1e-6, offset=0.0):
+    """The pre-norm decoder layer's residual add and the next RMSNorm in one pass:
+    ``h = x + residual; y = rms_norm(h, weight, eps, offset)`` (vLLM's ``fused_add_rms_norm``, fla's and
+    flash-attention's ``rms_norm(x, weight, residual=residual, prenorm=True)``, Liger's ``LigerFusedAddRMSNorm``).
+
+    Args:
+        x: ``[..., D]``, fp32 / bf16 / fp16, any strides (the sublayer's output).
+        residual: ``x``'s shape and dtype (the residual stream).
+        weight, eps, offset: as :func:`rms_norm`.
+
+    Returns:
+        ``(y, h)``, both ``x``'s shape and dtype (contiguous): ``h`` is ``x + residual`` rounded once to
+        ``x``'s dtype, as a plain add gives, and ``y`` its norm (fp32 math, one rounding). Differentiable in
+        ``x``, ``residual`` and ``weight``; the backward writes one gradient for ``x`` and ``residual`` (the
+        norm's plus the one that reaches ``h`` from its other readers) in one pass.
+    """
+    eps, offset = check_rms_norm(x, weight, eps, offset)
+    check_residual(x, residual)
+    return _add_op(x.device, x, residual, weight, eps, offset)
 
 
 # ------------------------------------------------------------------------------------- precompile
