@@ -9,7 +9,7 @@ from dflash_kernels.ops.attention.naive import naive_block_sparse_attention, nai
 from dflash_kernels.ops.conv1d.naive import naive_causal_conv1d, naive_causal_conv1d_update
 from dflash_kernels.ops.gated_delta_rule.naive import naive_gdn_gate, naive_recurrent_gated_delta_rule
 from dflash_kernels.ops.linear_cross_entropy.naive import naive_linear_cross_entropy
-from dflash_kernels.ops.rms_norm.naive import naive_rms_norm, naive_rms_norm_gated
+from dflash_kernels.ops.rms_norm.naive import naive_fused_add_rms_norm, naive_rms_norm, naive_rms_norm_gated
 from dflash_kernels.ops.rope.naive import naive_apply_rope
 from dflash_kernels.ops.swiglu.naive import naive_swiglu, naive_swiglu_packed
 
@@ -18,7 +18,7 @@ dense_mask = naive_dense_mask
 causal_conv1d_ref = naive_causal_conv1d
 causal_conv1d_update_ref = naive_causal_conv1d_update
 
-__all__ = ["causal_conv1d_ref", "naive_apply_rope", "naive_rms_norm", "naive_rms_norm_gated", "naive_swiglu", "naive_swiglu_packed", "causal_conv1d_update_ref", "dense_mask", "naive_block_sparse_attention",
+__all__ = ["causal_conv1d_ref", "naive_apply_rope", "naive_fused_add_rms_norm", "naive_rms_norm", "naive_rms_norm_gated", "naive_swiglu", "naive_swiglu_packed", "causal_conv1d_update_ref", "dense_mask", "naive_block_sparse_attention",
            "naive_causal_conv1d", "naive_causal_conv1d_update", "naive_dense_mask", "naive_gdn_gate", "naive_linear_cross_entropy",
            "naive_recurrent_gated_delta_rule",
            "sdpa_dense"]

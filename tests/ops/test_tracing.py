@@ -54,6 +54,11 @@ CASES = {
                        lambda g: ([torch.randn(5, 48, generator=g, device=device()),
                                    torch.randn(5, 48, generator=g, device=device()),
                                    torch.randn(48, generator=g, device=device())], [0, 1, 2])),
+    # both outputs (the norm and the sum) carry gradients into the one backward op
+    "fused_add_rms_norm": (lambda x, r, w: torch.stack(dk.fused_add_rms_norm(x, r, w, 1e-6)),
+                           lambda g: ([torch.randn(5, 48, generator=g, device=device()),
+                                       torch.randn(5, 48, generator=g, device=device()),
+                                       torch.randn(48, generator=g, device=device())], [0, 1, 2])),
     "swiglu": (dk.swiglu, lambda g: ([torch.randn(5, 40, generator=g, device=device()),
                                       torch.randn(5, 40, generator=g, device=device())], [0, 1])),
     "swiglu_packed": (dk.swiglu_packed, lambda g: ([torch.randn(5, 80, generator=g, device=device())], [0])),
