@@ -104,8 +104,7 @@ def gdn_cases():
     i32 = ("cu_seqlens_ptr", "chunk_indices_ptr", "chunk_offsets_ptr", "t_bad_ptr")
     common = dict(HK=16, HV=48, K=128, BT=64, BK=128, IS_VARLEN=False)
     for name, kern, extra in [
-        ("gdn_fwd_nonfinite", KF.gdn_fwd_nonfinite_kernel, {"V": 128, "BK": None}),
-        ("gdn_fwd_solve", KF.gdn_fwd_solve_kernel.default, {}),
+        ("gdn_fwd_solve", KF.gdn_fwd_solve_kernel.default, {"V": 128}),
         ("gdn_fwd_wu", KF.gdn_fwd_wu_kernel.default, {"V": 128, "HAS_T_BAD": True}),
         ("gdn_fwd_state", KF.gdn_fwd_scan_states_kernel.default, {"V": 128, "HAS_H0": False, "OUTPUT": False}),
         ("gdn_fwd_state_output", KF.gdn_fwd_scan_kernel.default,

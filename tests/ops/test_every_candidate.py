@@ -68,7 +68,7 @@ KNOWN = {
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
     "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
-    "gdn_fwd_nonfinite", "gdn_fwd_output", "gdn_fwd_output_fp32",
+    "gdn_fwd_output", "gdn_fwd_output_fp32",
     "linear_ce_rows", "adamw",
     "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
     "rope", "swiglu_fwd", "swiglu_bwd",
@@ -304,7 +304,7 @@ DRIVERS = {
                                "block_sparse_attn_bwd_pre", "mask_rev_count", "mask_rev_fill")},
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
-       + ["gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_fwd_nonfinite"]},
+       + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},
     "gdn_recurrent": _gdn_recurrent, "gdn_fwd_output": _gdn_split, "gdn_fwd_output_fp32": _gdn_split,
     "linear_ce_rows": _linear_cross_entropy, "adamw": _adamw,
     "rms_norm_fwd_narrow": _rms_norm(True), "rms_norm_bwd_narrow": _rms_norm(True),

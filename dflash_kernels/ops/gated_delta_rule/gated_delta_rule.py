@@ -17,9 +17,9 @@ import torch
 
 from dflash_kernels.ops.gated_delta_rule.checks import check_gdn_inputs, check_kernel_grid, pop_fla_kwargs
 from dflash_kernels.ops.gated_delta_rule.kernels_bwd import gdn_bwd_local_kernel, gdn_bwd_state_kernel
-from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_nonfinite_kernel, gdn_fwd_scan_kernel,
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_output_kernel, gdn_fwd_scan_kernel,
                                                              gdn_fwd_scan_states_kernel, gdn_fwd_solve_kernel,
-                                                             gdn_fwd_output_kernel, gdn_fwd_wu_kernel)
+                                                             gdn_fwd_wu_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_kernel, gdn_l2norm_fwd_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_recurrent import gdn_recurrent_fwd_kernel
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
@@ -120,45 +120,34 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     return dx
 
 
-def _nonfinite(k, v, g, beta, layout, gate=None, beta_mode=0):
-    """t_bad [chunks, Hv] int32: per chunk and value head, the first row (inside the chunk) whose k, v, g
-    or beta is NaN / Inf, 64 where none is (kernels_fwd.py's docstring: what the forward does with it)."""
-    B, T, Hk, K = k.shape
-    Hv, V = v.shape[2], v.shape[3]
-    N, n_chunks, cu, indices, offsets = layout
-    A_log, dt_bias = gate if gate is not None else (None, None)
-    t_bad = alloc.empty(n_chunks, Hv, dtype=torch.int32, device=k.device)
-    gdn_fwd_nonfinite_kernel((n_chunks, Hk), k, v, g, beta, A_log, dt_bias, t_bad, cu, indices, T, row_stride(v),
-                             bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, IS_VARLEN=cu is not None,
-                             GATE=gate is not None, HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
-    return t_bad
-
-
-def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, t_bad=None):
-    """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U.
-    gate: (A_log, dt_bias or None) when g is the raw gate; beta_mode: 1, 2 when beta holds logits.
-    t_bad (``_nonfinite``; required when A is not given): the rows from each chunk's first non-finite
-    one on are read as 0; the backward's recompute passes none."""
+def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0):
+    """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U;
+    returns ``(A, gcum, w, u, t_bad)``. gate: (A_log, dt_bias or None) when g is the raw gate; beta_mode:
+    1, 2 when beta holds logits. Without A the solve first finds t_bad [chunks, Hv] int32, per chunk and
+    value head the first row (inside the chunk) whose k, v, g or beta is NaN / Inf, 64 where none is
+    (kernels_fwd.py's docstring: the rows from it on are read as 0, and the scan's outputs from it on are
+    NaN); the backward's recompute (A given) reads every row, and t_bad is None."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
     load_a = A is not None
+    t_bad = None
     if not load_a:
-        assert t_bad is not None, "the solve needs t_bad"
         A = alloc.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
         gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
+        t_bad = alloc.empty(n_chunks, Hv, dtype=torch.int32, device=k.device)
     w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
     u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
     if not load_a:
         A_log, dt_bias = gate if gate is not None else (None, None)
-        gdn_fwd_solve_kernel.of(k)((n_chunks, Hv), k, g, beta, A_log, dt_bias, t_bad, gcum, A, cu, indices, T,
-                                   bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, BT=BT, BK=_block(K),
-                                   IS_VARLEN=cu is not None, GATE=gate is not None,
+        gdn_fwd_solve_kernel.of(k)((n_chunks, Hv), k, v, g, beta, A_log, dt_bias, t_bad, gcum, A, cu, indices, T,
+                                   row_stride(v), bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT,
+                                   BK=_block(K), IS_VARLEN=cu is not None, GATE=gate is not None,
                                    HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
     gdn_fwd_wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, t_bad, w, u, cu, indices, T, row_stride(v),
                             bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
                             IS_VARLEN=cu is not None, BETA_MODE=beta_mode, HAS_T_BAD=t_bad is not None)
-    return A, gcum, w, u
+    return A, gcum, w, u, t_bad
 
 
 def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None, beta_mode=0, state_v_first=False):
@@ -166,7 +155,7 @@ def _wy_and_states(q, k, v, g, beta, initial_state, layout, A=None, gcum=None, b
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
-    A, gcum, w, u = _prep(k, v, g, beta, layout, A, gcum, beta_mode=beta_mode)
+    A, gcum, w, u, _ = _prep(k, v, g, beta, layout, A, gcum, beta_mode=beta_mode)
     h = alloc.empty(n_chunks, Hv, K, V, dtype=k.dtype, device=k.device)
     v_new = alloc.empty_like(u)
     final_state = alloc.empty(N, Hv, K, V, dtype=torch.float32, device=k.device)
@@ -227,7 +216,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     state_v_first: initial_state and the final state are [N, Hv, V, K].
 
     A NaN / Inf in k, v, g or beta reaches no output before its token (kernels_fwd.py's docstring:
-    ``_nonfinite`` finds each chunk's first such row, which the solve, w/u and scan kernels respect).
+    the solve finds each chunk's first such row, which it and the w/u and scan kernels respect).
 
     Other splits of the forward were measured slower on the H200 and not kept (w and u folded into
     the scan; the l2norm inside the solve, w/u and scan kernels; solve and w/u in one kernel; the
@@ -240,8 +229,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
         k, _ = l2norm_fwd(k)
     layout = _layout(B, T, cu_seqlens, chunk_indices, chunk_offsets)
     gate = None if A_log is None else (A_log, dt_bias)
-    t_bad = _nonfinite(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode)
-    A, gcum, w, u = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode, t_bad=t_bad)
+    A, gcum, w, u, t_bad = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(layout[0], Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32,
                               device=k.device)

@@ -11,8 +11,8 @@ chunk reads (the WY / UT transform of the DeltaNet chunkwise papers):
     o  = scale (diag(exp(G)) Q S0 + tril(Q K^T * Gamma) U)
     S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U       the state at the chunk end
 
-Kernels: ``nonfinite`` (each chunk's first row holding a NaN / Inf, see below), ``solve`` (G and A)
-and ``wu`` (w, u), parallel over chunks; ``scan`` (the sequential S0 -> S1 scan, parallel over
+Kernels: ``solve`` (each chunk's first row holding a NaN / Inf, see below, then G and A) and ``wu``
+(w, u), parallel over chunks; ``scan`` (the sequential S0 -> S1 scan, parallel over
 sequences, heads and V blocks), which in the forward writes o as it goes and in the backward's
 recompute stores S0 and U per chunk instead (``states``: the scan plus a K-split form of that storing
 scan, KSPLIT, a tuning choice); ``output`` (the split forward, for few sequences and heads) computes o
@@ -24,8 +24,8 @@ Non-finite inputs. Every product above is lower triangular inside the chunk (row
 diagonal, and 0 * NaN = NaN: a NaN / Inf at row t would reach the chunk's rows before t. Making each
 product safe costs the hot loops time and registers; instead the forward first finds, per chunk and
 value head, ``t_bad`` = the first row whose k (of its key head), v, g or beta, as the kernels use them
-(the decay from a raw gate, beta from logits), is not finite, BT when there is none (``nonfinite``: one
-read of those inputs). Then:
+(the decay from a raw gate, beta from logits), is not finite, BT when there is none (the ``solve``
+kernel's first step, one read of those inputs; a kernel of its own until 2026-12-05). Then:
 
 - ``solve`` and ``wu`` load the rows from t_bad on as 0 (g, beta, k, v, and G): with every value they
   meet finite, the rows before t_bad come out bit for bit as without the bad row (the masked entries
@@ -46,7 +46,7 @@ is not confined this way.
 Layouts: tokens are flattened to rows ``bos + t`` (``bos`` = the sequence's first row), so a batch
 of B equal sequences and a packed ``cu_seqlens`` batch share one code path. Per-chunk buffers
 (states ``h``) are indexed by the global chunk number, sequence after sequence. v, as the
-``nonfinite`` and ``wu`` kernels read it, has its own row stride SV (a view of a wider projection is
+``solve`` and ``wu`` kernels read it, has its own row stride SV (a view of a wider projection is
 read in place); every other tensor here is contiguous.
 """
 
@@ -191,49 +191,24 @@ def _bad_rows(ptr, rows, m_t, stride, D: tl.constexpr, BD: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_nonfinite_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_ptr, cu_seqlens_ptr,
-                              chunk_indices_ptr, T, SV, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                              V: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr, BD: tl.constexpr,
-                              GATE: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False,
-                              BETA_MODE: tl.constexpr = 0):
-    """t_bad [chunks, HV] (int32) of one chunk and key head's group of value heads: the index inside the
-    chunk of the first row whose k, v, g or beta is NaN or infinite, BT when every row is finite (the
-    module docstring says what the forward does with it).
-
-    One program per key head, so its k is read once for all the value heads it serves. g and beta are
-    checked as the kernels use them: with GATE the decay computed from the raw gate (a raw -inf gives
-    decay 0, finite; +inf gives -inf, which the chunked form cannot take), with BETA_MODE the sigmoid of
-    the logits (finite for +-inf logits). Rows past the sequence's end read as finite.
-    """
-    i_c, i_hk = tl.program_id(0), tl.program_id(1)
-    GROUP: tl.constexpr = HV // HK
-    bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
-    o_i = tl.arange(0, BT)
-    m_t = i_t * BT + o_i < seqlen
-    rows = bos + i_t * BT + o_i
-    bad_k = _bad_rows(k_ptr + i_hk * K, rows, m_t, HK * K, K, BD)
-    for i_g in range(GROUP):
-        i_h = i_hk * GROUP + i_g
-        bad = tl.maximum(bad_k, _bad_rows(v_ptr + i_h * V, rows, m_t, SV, V, BD))
-        b_g = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-        if GATE:
-            b_g = gdn_gate(b_g, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS)
-        b_beta = gdn_beta(tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32), BETA_MODE)
-        bad = tl.maximum(bad, 2 - _finite(b_g) - _finite(b_beta))
-        tl.store(t_bad_ptr + i_c * HV + i_h, tl.min(tl.where((bad > 0) & m_t, o_i, BT), 0))
-
-
-@triton.jit(do_not_specialize=["T"])
-def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_ptr, gcum_ptr, A_ptr,
-                          cu_seqlens_ptr, chunk_indices_ptr, T, HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                          BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, GATE: tl.constexpr = False,
-                          HAS_DT_BIAS: tl.constexpr = False, BETA_MODE: tl.constexpr = 0):
-    """G (cumulative gate) and A = (I + L)^-1 of one chunk.
+def _gdn_fwd_solve_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_ptr, gcum_ptr, A_ptr,
+                          cu_seqlens_ptr, chunk_indices_ptr, T, SV, HK: tl.constexpr, HV: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                          IS_VARLEN: tl.constexpr, GATE: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False,
+                          BETA_MODE: tl.constexpr = 0, BD: tl.constexpr = 32):
+    """The chunk's t_bad for its value head (stored for the w/u and scan kernels), then G (cumulative gate)
+    and A = (I + L)^-1 of the chunk.
 
     The first kernel to read g and beta: with GATE, g is the raw gate and its log decay
     (``gdn_gate``) is computed here, on the way into the cumulative sum, so no pass over g precedes
     this one; BETA_MODE applies beta's sigmoid as it is loaded (``gdn_beta``), as every later reader does.
     The rows from the chunk's t_bad on load as 0 (module docstring); G and A are stored for every row.
+
+    t_bad: the index inside the chunk of the first row whose k (of the key head), v (row stride
+    SV, read in column blocks of BD), g or beta is NaN or infinite, BT when every row is finite; g and
+    beta checked as the kernels use them: with GATE the decay computed from the raw gate (a raw -inf gives
+    decay 0, finite; +inf gives -inf, which the chunked form cannot take), with BETA_MODE the sigmoid of
+    the logits (finite for +-inf logits). Rows past the sequence's end read as finite.
 
     L is built as three 32x32 tiles (the two diagonal halves and the lower-left E) and written to A's
     place, which then serves as scratch: the steps below read rows and blocks of L back and overwrite
@@ -260,10 +235,21 @@ def _gdn_fwd_solve_kernel(k_ptr, g_ptr, beta_ptr, A_log_ptr, dt_bias_ptr, t_bad_
     t0 = i_t * BT
     A_ptr += i_h * BT
 
+    o_i = tl.arange(0, BT)
+    m_t = t0 + o_i < seqlen
+    rows = bos + t0 + o_i
+    bad = tl.maximum(_bad_rows(k_ptr + i_hk * K, rows, m_t, HK * K, K, BD),
+                     _bad_rows(v_ptr + i_h * V, rows, m_t, SV, V, BD))
+    c_g = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    if GATE:
+        c_g = gdn_gate(c_g, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS)
+    c_beta = gdn_beta(tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32), BETA_MODE)
+    bad = tl.maximum(bad, 2 - _finite(c_g) - _finite(c_beta))
+    t_bad = tl.min(tl.where((bad > 0) & m_t, o_i, BT), 0)
+    tl.store(t_bad_ptr + i_c * HV + i_h, t_bad)
     o_h = tl.arange(0, H)
     m_lo, m_hi = t0 + o_h < seqlen, t0 + H + o_h < seqlen
     # The rows read: valid and before the chunk's first non-finite row (module docstring).
-    t_bad = tl.load(t_bad_ptr + i_c * HV + i_h)
     f_lo, f_hi = m_lo & (o_h < t_bad), m_hi & (H + o_h < t_bad)
     r_lo = bos + t0 + o_h
     r_hi = r_lo + H
@@ -632,11 +618,6 @@ class ByPrecision:
 # The fp32 candidates of the kernels tiled over V (ByPrecision says why so few).
 FP32_CONFIGS = [Config(BV=32, num_warps=4, num_stages=1), Config(BV=16, num_warps=4, num_stages=1)]
 
-# One pass over k, v, g and beta, no products: the column block BD sets how much of a row each load takes.
-gdn_fwd_nonfinite_kernel = TritonKernel(
-    _gdn_fwd_nonfinite_kernel, name="gdn_fwd_nonfinite",
-    configs=[Config(BD=64, num_warps=4), Config(BD=128, num_warps=4), Config(BD=64, num_warps=2)],
-    interpret_config=Config(BD=16))
 # The solve's substitution holds one [4, 16] row per step: one element per thread at 2 warps.
 gdn_fwd_solve_kernel = ByPrecision(_gdn_fwd_solve_kernel, "gdn_fwd_solve", [Config(num_warps=2), Config(num_warps=4)],
                                    [Config(num_warps=4, num_stages=1)], Config())
