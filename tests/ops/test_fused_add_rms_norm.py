@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dflash_kernels.ops.rms_norm import fused_add_rms_norm, naive_fused_add_rms_norm, naive_rms_norm, rms_norm
-from tests.helpers import check_close, device, rel_err, require_triton_kernels
+from tests.helpers import check_close, check_compiled_matches_eager, device, rel_err, require_triton_kernels
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (8e-3, 1.6e-2), torch.float16: (1e-3, 2e-3)}
@@ -107,16 +107,7 @@ def test_torch_compile_no_graph_break():
         y, h = fused_add_rms_norm(x * 2, r, w, 1e-6, 1.0)
         return y.square().sum() + (h * 0.5).sum()
 
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    got = [t.clone().requires_grad_() for t in (x, r, w)]
-    exp = [t.clone().requires_grad_() for t in (x, r, w)]
-    out = compiled(*got)
-    out.backward()
-    ref = f(*exp)
-    ref.backward()
-    assert rel_err(out, ref) < 1e-6
-    for g, e in zip(got, exp):
-        assert rel_err(g.grad, e.grad) < 1e-6
+    check_compiled_matches_eager(f, (x, r, w))
 
 
 def _args():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dflash_kernels.ops.rms_norm import naive_rms_norm, naive_rms_norm_gated, rms_norm, rms_norm_gated
-from tests.helpers import check_close, device, rel_err, require_triton_kernels
+from tests.helpers import check_close, check_compiled_matches_eager, device, rel_err, require_triton_kernels
 
 OP = "rms_norm"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -170,16 +170,7 @@ def test_torch_compile_no_graph_break():
     def f(x, w):
         return rms_norm(x * 2, w, 1e-6, 1.0).square().sum()
 
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    got = [t.clone().requires_grad_() for t in (x, w)]
-    exp = [t.clone().requires_grad_() for t in (x, w)]
-    out = compiled(*got)
-    out.backward()
-    ref = f(*exp)
-    ref.backward()
-    assert rel_err(out, ref) < 1e-6
-    for g, e in zip(got, exp):
-        assert rel_err(g.grad, e.grad) < 1e-6
+    check_compiled_matches_eager(f, (x, w))
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non_reentrant"])
