@@ -48,6 +48,7 @@ def _compare(x, r, w, eps, offset, read=("y", "h")):
     check_close("dx", dx, dxr, *TOL[dtype])
     check_close("dresidual", dr, drr, *TOL[dtype])
     assert torch.equal(dx, dr), "x and residual get the same gradient"
+    assert dx.untyped_storage().data_ptr() != dr.untyped_storage().data_ptr(), "dx and dresidual share storage"
     assert dx.dtype == dr.dtype == dtype
     if need_w:
         assert dw[0].dtype == w.dtype
@@ -80,6 +81,41 @@ def test_fp32_weight_with_bf16_activations_strided():
     x = base[..., :160]
     r = torch.randn(2, 21, 160, device=device()).to(torch.bfloat16)
     w = torch.rand(160, device=device()) + 0.5
+    _compare(x, r, w, 1e-6, 0.0)
+
+
+@pytest.mark.parametrize("read", [("y", "h"), ("h",)], ids=["both", "h_only"])
+def test_leaf_gradients_have_storage_of_their_own(read):
+    """x and residual as leaves: .grad of each is its own tensor, so a second backward accumulates each
+    once, zeroing one leaves the other, and an in-place clip over both scales each once."""
+    x = torch.randn(9, 40, device=device(), requires_grad=True)
+    r = torch.randn(9, 40, device=device(), requires_grad=True)
+    w = torch.randn(40, device=device())
+
+    def loss():
+        y, h = fused_add_rms_norm(x, r, w)
+        return sum((o * (i + 1.5)).sum() for i, (name, o) in enumerate((("y", y), ("h", h))) if name in read)
+    loss().backward()
+    assert x.grad.untyped_storage().data_ptr() != r.grad.untyped_storage().data_ptr()
+    g1 = x.grad.clone()
+    check_close("residual.grad", r.grad, g1, 0, 0)
+    loss().backward()  # accumulates: each .grad is now twice the first, not g1 + 2 * g1 on one of them
+    check_close("x.grad", x.grad, 2 * g1, 1e-6, 1e-6)
+    check_close("residual.grad", r.grad, 2 * g1, 1e-6, 1e-6)
+    x.grad.zero_()
+    assert r.grad.abs().max() > 0, "zeroing x.grad zeroed residual.grad"
+    torch.nn.utils.clip_grad_norm_([x, r], max_norm=1e-3)
+    assert not x.grad.any() and abs(r.grad.norm().item() - 1e-3) < 1e-6, "the clip scaled one buffer twice"
+
+
+@pytest.mark.parametrize("wview", ["step2", "expanded", "offset"])
+def test_weight_views(wview):
+    """A weight that is a strided, expanded (stride 0) or offset view is read by its strides."""
+    D = 48
+    base = torch.randn(3 * D, device=device())
+    w = {"step2": base[::2][:D], "expanded": base[:1].expand(D), "offset": base[D + 5:2 * D + 5]}[wview]
+    x = torch.randn(2, 7, D, device=device())
+    r = torch.randn(2, 7, D, device=device())
     _compare(x, r, w, 1e-6, 0.0)
 
 

@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from dflash_kernels.ops.rms_norm import naive_rms_norm, naive_rms_norm_gated, rms_norm, rms_norm_gated
+from dflash_kernels.ops.rms_norm import fused_add_rms_norm, naive_rms_norm, naive_rms_norm_gated, rms_norm, rms_norm_gated
 from tests.helpers import check_close, check_compiled_matches_eager, device, rel_err, require_triton_kernels
 
 OP = "rms_norm"
@@ -137,6 +137,29 @@ def test_non_contiguous_inputs():
     _compare(xt, w, 1e-6, 0.0, torch.float32)
 
 
+@pytest.mark.parametrize("wview", ["step2", "expanded", "offset"])
+def test_weight_views(wview):
+    """A weight that is a strided, expanded (stride 0) or offset view is read by its strides, and its gradient
+    reaches the base tensor: plain and gated forms."""
+    D = 40
+    base = torch.randn(3 * D, device=device(), requires_grad=True)
+    views = {"step2": lambda b: b[::2][:D], "expanded": lambda b: b[:1].expand(D), "offset": lambda b: b[D + 3:2 * D + 3]}
+    x = torch.randn(3, 11, D, device=device(), requires_grad=True)
+    gate = torch.randn(3, 11, D, device=device(), requires_grad=True)
+    go = torch.randn(3, 11, D, device=device())
+    bref = base.detach().clone().requires_grad_()
+    for ours, ref in ((lambda w: rms_norm(x, w, 1e-6, 1.0), lambda w: naive_rms_norm(x, w, 1e-6, 1.0)),
+                      (lambda w: rms_norm_gated(x, gate, w, 1e-6, 0.0),
+                       lambda w: naive_rms_norm_gated(x, gate, w, 1e-6, 0.0))):
+        y = ours(views[wview](base))
+        yr = ref(views[wview](bref))
+        check_close("y", y, yr, 1e-5, 1e-5)
+        dx, db = torch.autograd.grad(y, (x, base), go)
+        dxr, dbr = torch.autograd.grad(yr, (x, bref), go)
+        check_close("dx", dx, dxr, 1e-5, 1e-5)
+        check_close("dweight (base)", db, dbr, 1e-5, 1e-5)
+
+
 def test_only_one_input_requires_grad_and_empty_input():
     x = torch.randn(10, 24, device=device())
     w = torch.randn(24, device=device(), requires_grad=True)
@@ -217,6 +240,23 @@ def test_precompile_then_strict():
         rms_norm(x, w, 1e-6, 1.0).sum().backward()
 
 
+@pytest.mark.parametrize("form", ["gated", "add"])
+def test_precompile_then_strict_other_forms(form):
+    """The gated and fused-add norms run other kernels than the plain one: each has a precompile entry of
+    its own, and after it strict() finds every kernel (forward and backward)."""
+    from dflash_kernels.runtime import precompile, strict
+    name = {"gated": "rms_norm_gated", "add": "fused_add_rms_norm"}[form]
+    precompile([(name, dict(N=20, D=40, offset=1.0), torch.float32)], devices=[device()], verbose=False)
+    x, other = (torch.randn(20, 40, device=device(), requires_grad=True) for _ in range(2))
+    w = torch.randn(40, device=device(), requires_grad=True)
+    with strict():
+        if form == "gated":
+            rms_norm_gated(x, other, w, 1e-6, 1.0).sum().backward()
+        else:
+            y, h = fused_add_rms_norm(x, other, w, 1e-6, 1.0)
+            (y.sum() + h.square().sum()).backward()
+
+
 BAD = [
     (lambda a: dict(a, x=a["x"].long()), TypeError, "x: dtype torch.int64"),
     (lambda a: dict(a, x="x"), TypeError, "x: expected a tensor"),
@@ -245,10 +285,11 @@ def test_kernel_configs_compile_for_hopper():
     fwd_types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "g_ptr": "*bf16", "y_ptr": "*bf16", "rstd_ptr": "*fp32",
                  "eps": "fp32", "offset": "fp32", "r_ptr": "*bf16", "h_ptr": "*bf16"}
     bwd_types = {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "g_ptr": "*bf16", "rstd_ptr": "*fp32",
-                 "dx_ptr": "*bf16", "dg_ptr": "*bf16", "dw_ptr": "*fp32", "offset": "fp32", "dr_ptr": "*bf16"}
+                 "dx_ptr": "*bf16", "dg_ptr": "*bf16", "dw_ptr": "*fp32", "offset": "fp32", "dr_ptr": "*bf16",
+                 "dx2_ptr": "*bf16"}
     plain, gated = dict(HAS_GATE=False, ROUND=0, HAS_RES=False), dict(HAS_GATE=True, ROUND=2, HAS_RES=False)
     res = dict(HAS_GATE=False, ROUND=0, HAS_RES=True)
-    bplain, bres = dict(HAS_GATE=False, HAS_DRES=False), dict(HAS_GATE=False, HAS_DRES=True)
+    bplain, bres = dict(HAS_GATE=False, HAS_DRES=False), dict(HAS_GATE=False, HAS_DRES=True, HAS_DX2=True)
     shared = []
     for fn, types, consts, configs in [
             ("_rms_norm_fwd_kernel", fwd_types, dict(D=128, BD=128, **plain), k.FWD_NARROW_CONFIGS),

@@ -13,7 +13,8 @@ Rows of ``D`` elements (``D`` constexpr, the whole row in one block of ``BD = ne
 The residual form (``HAS_RES``, pre-norm decoder layers: ``h = x + residual; y = rms_norm(h)``) adds the
 residual first, rounds the sum ``h`` to x's dtype (what a plain ``x + residual`` gives), stores it and normalizes
 it; its backward (``HAS_DRES``) adds the gradient that reaches ``h`` from its other reader (the residual
-stream) to the norm's, so the one ``dx`` it writes is the gradient of both ``x`` and ``residual``.
+stream) to the norm's; that sum is the gradient of both ``x`` and ``residual``, stored once per input that
+needs it (``HAS_DX2``: a second buffer, so the two gradients never share storage).
 
 The gated form (``HAS_GATE``, the output norm of Gated DeltaNet layers) multiplies ``y`` by
 ``silu(gate)``: ``y = n * silu(g)``, ``n = xhat * w'``; backward ``dg = dy * n * silu'(g)`` and the norm's
@@ -80,12 +81,14 @@ def _rms_norm_fwd_kernel(x_ptr, w_ptr, g_ptr, y_ptr, rstd_ptr, N, stride_x, stri
 @triton.jit(do_not_specialize=["N", "rows_per_program"])
 def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_ptr, N, rows_per_program,
                          stride_dy, stride_x, stride_g, stride_dx, stride_dg, offset, dr_ptr, stride_dr,
+                         dx2_ptr, stride_dx2,
                          D: tl.constexpr, BD: tl.constexpr, BM: tl.constexpr, HAS_DW: tl.constexpr,
-                         HAS_GATE: tl.constexpr, HAS_DRES: tl.constexpr = False):
+                         HAS_GATE: tl.constexpr, HAS_DRES: tl.constexpr = False, HAS_DX2: tl.constexpr = False):
     """dy, x, dx ``[N, D]`` (row strides), rstd ``[N]`` fp32; dw ``[programs, D]`` fp32 partial sums
     (``HAS_DW``); with ``HAS_GATE`` the gate and its gradient ``[N, D]``; with ``HAS_DRES`` the gradient
-    ``[N, D]`` (``stride_dr``) added to dx. Program ``p`` handles rows
-    ``[p * rows_per_program, (p + 1) * rows_per_program)``."""
+    ``[N, D]`` (``stride_dr``) added to dx; with ``HAS_DX2`` dx is also stored to ``dx2`` ``[N, D]``
+    (``stride_dx2``): the residual form's two inputs get gradients of their own, never one shared
+    buffer. Program ``p`` handles rows ``[p * rows_per_program, (p + 1) * rows_per_program)``."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BD)
     cmask = cols < D
@@ -114,6 +117,8 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, 
         if HAS_DRES:
             dx += tl.load(dr_ptr + r64[:, None] * stride_dr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.store(dx_ptr + r64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_DX2:
+            tl.store(dx2_ptr + r64[:, None] * stride_dx2 + cols[None, :], dx.to(dx2_ptr.dtype.element_ty), mask=mask)
         if HAS_DW:
             acc += dy * xhat
     if HAS_DW:

@@ -34,7 +34,9 @@ def _bwd_programs(device: torch.device, N: int) -> int:
 
 
 def _unit_rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    """``t`` itself when its last dim has a unit stride (rows read in place), else a contiguous copy; for the
+    ``[D]`` weight, which the kernels read as ``w_ptr + cols``, a strided or expanded view is copied."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -59,11 +61,13 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: floa
     return y, rstd, h
 
 
-def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None, dres=None):
-    """``(dx [N, D] in x's dtype, dw [D] in weight's dtype or None, dgate [N, D] in gate's dtype or None)``;
-    ``dres`` ``[N, D]`` (unit column stride), a gradient that also reaches x, is added to dx."""
+def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None, dres=None, dx2: bool = False):
+    """``(dx [N, D] in x's dtype, dw [D] in weight's dtype or None, dgate [N, D] in gate's dtype or None,
+    dx2)``; ``dres`` ``[N, D]`` (unit column stride), a gradient that also reaches x, is added to dx;
+    ``dx2``: also write a second copy of dx into a buffer of its own (else None)."""
     N, D = x.shape
     dx = alloc.empty((N, D), dtype=x.dtype, device=x.device)
+    dx_copy = alloc.empty((N, D), dtype=x.dtype, device=x.device) if dx2 else None
     dgate = None if gate is None else alloc.empty((N, D), dtype=gate.dtype, device=x.device)
     P = _bwd_programs(x.device, N)
     partial = alloc.empty((P, D), dtype=torch.float32, device=x.device) if need_dw else None
@@ -73,12 +77,13 @@ def rms_norm_bwd(dy, x, weight, rstd, offset: float, need_dw: bool, gate=None, d
                partial if need_dw else rstd, N, cdiv(N, P), dy.stride(0), x.stride(0),
                0 if gate is None else gate.stride(0), dx.stride(0), 0 if gate is None else dgate.stride(0),
                offset, dy if dres is None else dres, 0 if dres is None else dres.stride(0),
+               dx if dx_copy is None else dx_copy, 0 if dx_copy is None else dx_copy.stride(0),
                bucket=(bucket(N, cap=1 << 16),), D=D, BD=next_pow2(D), HAS_DW=need_dw,
-               HAS_GATE=gate is not None, HAS_DRES=dres is not None)
+               HAS_GATE=gate is not None, HAS_DRES=dres is not None, HAS_DX2=dx2)
     dw = None
     if need_dw:
         dw = (partial.sum(0) if N else torch.zeros(D, dtype=torch.float32, device=x.device)).to(weight.dtype)
-    return dx, dw, dgate
+    return dx, dw, dgate, dx_copy
 
 
 # ------------------------------------------------------------------------------------- custom ops
@@ -97,7 +102,7 @@ def _(x, weight, eps, offset):
 @torch.library.custom_op("dflash_kernels::rms_norm_bwd", mutates_args=())
 def _bwd_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
             need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    dx, dw, _ = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw)
+    dx, dw, _, _ = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw)
     return dx, dw if dw is not None else weight.new_empty((0,))
 
 
@@ -149,7 +154,7 @@ def _(x, gate, weight, eps, offset, round_mode):
 @torch.library.custom_op("dflash_kernels::rms_norm_gated_bwd", mutates_args=())
 def _gated_bwd_op(dy: torch.Tensor, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                   offset: float, need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dw, dgate = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw, gate=gate)
+    dx, dw, dgate, _ = rms_norm_bwd(_unit_rows(dy), x, weight, rstd, offset, need_dw, gate=gate)
     return dx, dgate, dw if dw is not None else weight.new_empty((0,))
 
 
@@ -200,15 +205,19 @@ def _(x, residual, weight, eps, offset):
 
 @torch.library.custom_op("dflash_kernels::rms_norm_add_bwd", mutates_args=())
 def _add_bwd_op(dy: torch.Tensor, dh: Optional[torch.Tensor], h: torch.Tensor, weight: torch.Tensor,
-                rstd: torch.Tensor, offset: float, need_dw: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    dx, dw, _ = rms_norm_bwd(_unit_rows(dy), h, weight, rstd, offset, need_dw,
-                             dres=None if dh is None else _unit_rows(dh))
-    return dx, dw if dw is not None else weight.new_empty((0,))
+                rstd: torch.Tensor, offset: float, need_dw: bool,
+                need_both: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dresidual or empty, dw or empty)``: with ``need_both`` the kernel stores the one gradient
+    into two buffers, so x's and residual's gradients never share storage."""
+    dx, dw, _, dr = rms_norm_bwd(_unit_rows(dy), h, weight, rstd, offset, need_dw,
+                                 dres=None if dh is None else _unit_rows(dh), dx2=need_both)
+    return dx, dr if dr is not None else h.new_empty((0,)), dw if dw is not None else weight.new_empty((0,))
 
 
 @_add_bwd_op.register_fake
-def _(dy, dh, h, weight, rstd, offset, need_dw):
-    return h.new_empty(h.shape), weight.new_empty(weight.shape if need_dw else (0,))
+def _(dy, dh, h, weight, rstd, offset, need_dw, need_both):
+    return (h.new_empty(h.shape), h.new_empty(h.shape if need_both else (0,)),
+            weight.new_empty(weight.shape if need_dw else (0,)))
 
 
 def _add_setup_context(ctx, inputs, output):
@@ -227,11 +236,17 @@ def _add_backward(ctx, dy, dh, _drstd):
     need_x, need_r, need_dw = ctx.needs_input_grad[:3]
     h, weight, rstd = ctx.saved_tensors
     if dy is None:  # only h was used: its gradient goes to x and residual as it is, no weight gradient
+        if need_x and need_r:  # one buffer each: a shared one would be accumulated into twice
+            return dh, dh.clone(), None, None, None
         return (dh if need_x else None), (dh if need_r else None), None, None, None
     if not (need_x or need_r or need_dw):
         return None, None, None, None, None
-    dx, dw = _add_bwd_op_eager(dy, dh, h, weight, rstd, ctx.offset, need_dw)
-    return (dx if need_x else None), (dx if need_r else None), (dw if need_dw else None), None, None
+    dx, dr, dw = _add_bwd_op_eager(dy, dh, h, weight, rstd, ctx.offset, need_dw, need_x and need_r)
+    if not need_x:
+        dx, dr = None, (dx if need_r else None)
+    elif not need_r:
+        dr = None
+    return dx, dr, (dw if need_dw else None), None, None
 
 
 _add_fwd = differentiable_op(_add_fwd_op, _add_fwd_impl, _add_setup_context, _add_backward)
@@ -247,7 +262,7 @@ def _reference(x, weight, eps, offset):
 @_op.impl("triton", "interpret")
 def _fast(x, weight, eps, offset):
     D = x.shape[-1]
-    y, _ = _fwd(_unit_rows(x.reshape(-1, D)), weight, eps, offset)
+    y, _ = _fwd(_unit_rows(x.reshape(-1, D)), _unit_rows(weight), eps, offset)
     return y.view(x.shape)
 
 
@@ -282,7 +297,8 @@ def _gated_reference(x, gate, weight, eps, offset, round_mode):
 @_gated_op.impl("triton", "interpret")
 def _gated_fast(x, gate, weight, eps, offset, round_mode):
     D = x.shape[-1]
-    y, _ = _gated_fwd(_unit_rows(x.reshape(-1, D)), _unit_rows(gate.reshape(-1, D)), weight, eps, offset, round_mode)
+    y, _ = _gated_fwd(_unit_rows(x.reshape(-1, D)), _unit_rows(gate.reshape(-1, D)), _unit_rows(weight), eps, offset,
+                      round_mode)
     return y.view(x.shape)
 
 
@@ -321,7 +337,8 @@ def _add_reference(x, residual, weight, eps, offset):
 @_add_op.impl("triton", "interpret")
 def _add_fast(x, residual, weight, eps, offset):
     D = x.shape[-1]
-    y, h, _ = _add_fwd(_unit_rows(x.reshape(-1, D)), _unit_rows(residual.reshape(-1, D)), weight, eps, offset)
+    y, h, _ = _add_fwd(_unit_rows(x.reshape(-1, D)), _unit_rows(residual.reshape(-1, D)), _unit_rows(weight), eps,
+                       offset)
     return y.view(x.shape), h.view(x.shape)
 
 
@@ -356,3 +373,29 @@ def _precompile(shape, dtype, device, backward):
     y = rms_norm(x, w, 1e-6, shape.get("offset", 0.0))
     if backward:
         torch.autograd.grad(y, (x, w), torch.randn_like(y))
+
+
+@register_precompile("rms_norm_gated")
+def _precompile_gated(shape, dtype, device, backward):
+    """shape: ``N`` rows of ``D``; optional ``weight_dtype``, ``gate_dtype`` (default: ``dtype``), ``offset``
+    (0.0) and ``round_normed`` (False)."""
+    N, D = shape["N"], shape["D"]
+    x = torch.randn(N, D, device=device, dtype=dtype).requires_grad_(backward)
+    g = torch.randn(N, D, device=device, dtype=shape.get("gate_dtype", dtype)).requires_grad_(backward)
+    w = torch.randn(D, device=device, dtype=shape.get("weight_dtype", dtype)).requires_grad_(backward)
+    y = rms_norm_gated(x, g, w, 1e-6, shape.get("offset", 0.0), shape.get("round_normed", False))
+    if backward:
+        torch.autograd.grad(y, (x, g, w), torch.randn_like(y))
+
+
+@register_precompile("fused_add_rms_norm")
+def _precompile_add(shape, dtype, device, backward):
+    """shape: ``N`` rows of ``D``; optional ``weight_dtype`` (default: ``dtype``) and ``offset`` (0.0). The
+    backward is compiled in the decoder layer's form: both outputs read, x and residual both needing
+    gradients."""
+    N, D = shape["N"], shape["D"]
+    x, r = (torch.randn(N, D, device=device, dtype=dtype).requires_grad_(backward) for _ in range(2))
+    w = torch.randn(D, device=device, dtype=shape.get("weight_dtype", dtype)).requires_grad_(backward)
+    y, h = fused_add_rms_norm(x, r, w, 1e-6, shape.get("offset", 0.0))
+    if backward:
+        torch.autograd.grad((y, h), (x, r, w), (torch.randn_like(y), torch.randn_like(h)))
