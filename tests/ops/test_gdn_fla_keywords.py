@@ -314,6 +314,33 @@ def test_gate_matches_fla_formula():
     assert torch.allclose(naive_gdn_gate(g, A_log, dt_bias), expected, rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule],
+                         ids=["chunk", "recurrent"])
+def test_gate_large_A_log_stays_finite(fn):
+    """The in-kernel gate where exp(A_log) alone overflows fp32 (A_log >= 88.7) or its decays sum past fp32's
+    range in a chunk: head 0 with A_log 90 and raw gates near -100 (finite decays, e^-3 .. e^-20), head 1 with
+    A_log 88.5 (decays near -1e38 whose chunk sums overflow), head 2 ordinary. Output, final state and every
+    gradient (the chunked op; the recurrent one is inference only) are finite and match the recurrence."""
+    tensors = _inputs(1, 70, 1, 3, 16, 16, torch.float32, h0=True, dt_bias=False)
+    gen = torch.Generator().manual_seed(3)
+    g = tensors[3].clone()
+    g[..., 0] = -93.0 - 17.0 * torch.rand(g.shape[:-1], generator=gen).to(g.device)
+    tensors[3] = g
+    tensors[5] = torch.tensor([90.0, 88.5, 0.3], device=g.device)
+    kwargs = dict(use_gate_in_kernel=True)
+    grad = fn is chunk_gated_delta_rule
+    o, ht, grads = _run(fn, tensors, kwargs, True, torch.ones_like(tensors[2]), torch.ones(1, 3, 16, 16, device=g.device),
+                        grad=grad)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert all(torch.isfinite(d).all() for d in grads.values()), {n: torch.isfinite(d).all().item()
+                                                                  for n, d in grads.items()}
+    if grad:
+        _compare(tensors, kwargs, True, torch.float32, fn=fn)
+    else:
+        ro, rht, _ = _run(naive_recurrent_gated_delta_rule, tensors, kwargs, True, None, None, grad=False)
+        assert rel_err(o, ro) <= _tol(torch.float32) and rel_err(ht, rht) <= _tol(torch.float32)
+
+
 def _small(**overrides):
     q, k, v, g, beta, A_log, dt_bias, h0 = _inputs(1, 8, 1, 2, 16, 16, torch.float32, h0=True)
     args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0)

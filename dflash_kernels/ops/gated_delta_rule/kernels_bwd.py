@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (FP32_CONFIGS, ByPrecision, chunk_bounds, gdn_beta,
-                                                             gdn_gate, load_state, sequence_bounds, store_state)
+                                                             LOG_GATE_DECAY_CAP, gdn_gate_exponent, load_state,
+                                                             sequence_bounds, store_state)
 from dflash_kernels.runtime import Config
 
 
@@ -258,13 +259,18 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         b_dbeta = b_dbeta * (b_sig * (1.0 - b_sig) * BETA_MODE)
     tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
     if GATE:
-        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay
+        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay,
+        # both 0 where the forward floored the decay. exp(A_log) sigmoid(x) is taken as
+        # exp(A_log + logsigmoid(x)): below the floor it is at most exp(LOG_GATE_DECAY_CAP) (sigmoid <= softplus).
         b_x = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
         if HAS_DT_BIAS:
             b_x = b_x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
-        b_decay = gdn_gate(b_x, A_log_ptr, dt_bias_ptr, i_h, False)
-        b_dA_log = tl.sum(tl.where(m_t, b_dg * b_decay, 0.0), 0)
-        b_dg = tl.where(m_t, b_dg * (-tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32))) * tl.sigmoid(b_x), 0.0)
+        b_A = tl.load(A_log_ptr + i_h).to(tl.float32)
+        b_e = gdn_gate_exponent(b_x, b_A)
+        b_free = m_t & ~(b_e > LOG_GATE_DECAY_CAP)  # NaN exponents stay: their gradients are NaN
+        b_dA_log = tl.sum(tl.where(b_free, b_dg * -tl.exp(b_e), 0.0), 0)
+        b_logsig = tl.minimum(b_x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_x)))
+        b_dg = tl.where(b_free, b_dg * -tl.exp(b_A + b_logsig), 0.0)
         tl.store(dA_log_ptr + i_c * HV + i_h, b_dA_log)
         if HAS_DT_BIAS:
             tl.store(ddt_bias_ptr + i_c * HV + i_h, tl.sum(b_dg, 0))

@@ -88,15 +88,33 @@ def sequence_bounds(i_n, T, cu_seqlens_ptr, chunk_offsets_ptr, BT: tl.constexpr,
     return bos, seqlen, boh
 
 
+# The in-kernel gate's log decay is floored at -GATE_DECAY_CAP: exp of anything below -104 is 0 in fp32,
+# so no decay, product of decays or gradient changes, while the chunk's cumulative sum G of decays stays far
+# from overflow (a sum of decays near -3e38 overflows to -inf, and exp(G_i - G_j) of two infinities is NaN).
+LOG_GATE_DECAY_CAP = tl.constexpr(4.852030263919617)  # log(128)
+
+
+@triton.jit
+def gdn_gate_exponent(x, A_log):
+    """``log(exp(A_log) * softplus(x))`` in fp32, as ``A_log + log(softplus(x))``: finite wherever the decay
+    is, also where ``exp(A_log)`` alone overflows (A_log >= 88.7) or ``softplus(x)`` underflows (x < -88).
+    softplus is the identity above 20 (fla's threshold, as torch's default); below -5 it is log1p's series
+    ``t - t^2/2 + t^3/3`` of ``t = exp(x)`` (``log(1 + t)`` in fp32 loses t's low bits there), and its log is
+    x itself below -15."""
+    # NaN must propagate through the minimum: compiled, tl.minimum's default returns the other operand.
+    t = tl.exp(tl.minimum(x, 20.0, propagate_nan=tl.PropagateNan.ALL))
+    sp = tl.where(x < -5.0, t * (1.0 - t * (0.5 - t / 3.0)), tl.log(1.0 + t))
+    return A_log + tl.where(x > 20.0, tl.log(x), tl.where(x < -15.0, x, tl.log(sp)))
+
+
 @triton.jit
 def gdn_gate(x, A_log_ptr, dt_bias_ptr, i_h, HAS_DT_BIAS: tl.constexpr):
-    """The log decay from the raw gate (fp32): ``-exp(A_log[h]) * softplus(x + dt_bias[h])``, softplus
-    taken as the identity above 20 (fla's threshold, as torch's default)."""
+    """The log decay from the raw gate (fp32): ``-exp(A_log[h]) * softplus(x + dt_bias[h])``, floored at
+    ``-exp(LOG_GATE_DECAY_CAP)``; an infinite exponent (x or A_log +inf) stays -inf, a non-finite decay."""
     if HAS_DT_BIAS:
         x = x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
-    # NaN must propagate through the minimum: compiled, tl.minimum's default returns the other operand.
-    sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0, propagate_nan=tl.PropagateNan.ALL))))
-    return -tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32)) * sp
+    e = gdn_gate_exponent(x, tl.load(A_log_ptr + i_h).to(tl.float32))
+    return tl.where(e == float("inf"), -e, -tl.exp(tl.minimum(e, LOG_GATE_DECAY_CAP, propagate_nan=tl.PropagateNan.ALL)))
 
 
 @triton.jit

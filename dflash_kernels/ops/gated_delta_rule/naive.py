@@ -21,12 +21,14 @@ __all__ = ["naive_recurrent_gated_delta_rule", "naive_l2norm", "naive_gdn_gate"]
 
 
 def naive_gdn_gate(g: torch.Tensor, A_log: torch.Tensor, dt_bias=None) -> torch.Tensor:
-    """The log decay ``-exp(A_log) * softplus(g + dt_bias)`` of the raw gate g [..., Hv] (fp32; A_log and
-    dt_bias hold Hv elements; softplus with torch's default threshold 20, as fla's kernels)."""
-    x = g.float()
+    """The log decay ``-exp(A_log) * softplus(g + dt_bias)`` of the raw gate g [..., Hv] (A_log and dt_bias hold
+    Hv elements; softplus with torch's default threshold 20, as fla's kernels). Computed in fp64 and returned
+    in fp32, so a large A_log with a very negative g (exp(A_log) past fp32's range, softplus below it) gives
+    the finite decay of the math."""
+    x = g.double()
     if dt_bias is not None:
-        x = x + dt_bias.float().reshape(-1)
-    return -A_log.float().reshape(-1).exp() * F.softplus(x)
+        x = x + dt_bias.double().reshape(-1)
+    return (-A_log.double().reshape(-1).exp() * F.softplus(x)).float()
 
 
 def naive_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
