@@ -3,8 +3,9 @@ batch or one document of a packed batch (gated delta rule: ``cu_seqlens``; causa
 never reaches the outputs or gradients of rows that cannot see it; the rows that see it are non-finite.
 Inside one document of the gated delta rule, a non-finite token reaches no output before it.
 
-Checked against a clean run of the same kernels (the dense reference itself multiplies masked zeros by
-NaN, so it is no judge here)."""
+Each guarantee is checked on every backend that can run here: the Triton kernels (the interpreter on
+the CPU) and the plain-torch ``reference`` backend (the CPU default without the interpreter), each against
+a clean run of the same backend."""
 
 import os
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_kernels import set_backend
+from dflash_kernels import get_backend, set_backend
 from dflash_kernels.ops.attention import block_sparse_attention, causal_block_mask, dflash_block_mask
 from dflash_kernels.ops.attention.naive import naive_dense_mask
 from dflash_kernels.ops.conv1d import causal_conv1d
@@ -27,6 +28,32 @@ needs_kernels = pytest.mark.skipif(DEVICE.type == "cpu" and not INTERPRET,
 # The interpreter computes with numpy, which warns about the NaN / Inf arithmetic these tests cause on purpose.
 pytestmark = [pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")]
+
+
+def _use_backend(op, name):
+    """``set_backend(op, ...)`` for one test: ``kernels`` the Triton kernels (interpreted on the CPU; skipped
+    where they cannot run), ``reference`` the plain-torch backend; ``auto`` again afterwards."""
+    if name == "kernels":
+        if DEVICE.type == "cpu" and not INTERPRET:
+            pytest.skip("kernels need CUDA or TRITON_INTERPRET=1")
+        set_backend(op, "triton" if DEVICE.type == "cuda" else "interpret")
+    else:
+        set_backend(op, name)
+    yield name
+    set_backend(op, "auto")
+
+
+BACKENDS = ["kernels", "reference"]
+
+
+@pytest.fixture(params=BACKENDS)
+def attention_backend(request):
+    yield from _use_backend("attention", request.param)
+
+
+@pytest.fixture(params=BACKENDS)
+def gdn_backend(request):
+    yield from _use_backend("gdn", request.param)
 
 
 def _run(q, k, v, do, mask):
@@ -92,40 +119,35 @@ def _dflash_case(B=1, S=24, N=4, bs=4, Hq=4, Hkv=1, window=None, seed=0):
     return mask, q, k, v, do
 
 
-@needs_kernels
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["v", "k"])
-def test_attention_nonfinite_in_a_blocks_own_keys_stays_in_the_block(value, where):
+def test_attention_nonfinite_in_a_blocks_own_keys_stays_in_the_block(attention_backend, value, where):
     """Block 0's own keys (S .. S + bs) hold a NaN/Inf: blocks 1..3 (stacked with block 0 in one tile,
     interpreter config GPB=2) stay exactly as in a clean run, outputs and gradients."""
     mask, q, k, v, do = _dflash_case()
     _check_confined(mask, q, k, v, do, bad_keys=(24, 26), value=value, where=(where,))
 
 
-@needs_kernels
 @pytest.mark.parametrize("where", ["v", "k"])
-def test_attention_nonfinite_context_key_reaches_only_later_anchors(where):
+def test_attention_nonfinite_context_key_reaches_only_later_anchors(attention_backend, where):
     """A NaN in context key 12: blocks with anchors 3 and 10 do not see it, those with 17 and 24 do."""
     mask, q, k, v, do = _dflash_case()
     _check_confined(mask, q, k, v, do, bad_keys=(12,), where=(where,))
 
 
-@needs_kernels
-def test_attention_nonfinite_query_and_upstream_gradient_stay_in_their_rows():
+def test_attention_nonfinite_query_and_upstream_gradient_stay_in_their_rows(attention_backend):
     """A NaN query row of block 1 and a NaN upstream gradient row of block 2: other rows' dq and the
     dk, dv of keys those rows do not see stay clean."""
     mask, q, k, v, do = _dflash_case()
     _check_confined(mask, q, k, v, do, bad_q_rows=(5,), bad_do_rows=(9,))
 
 
-@needs_kernels
-def test_attention_nonfinite_with_a_window_and_a_batch():
+def test_attention_nonfinite_with_a_window_and_a_batch(attention_backend):
     mask, q, k, v, do = _dflash_case(B=2, window=8, seed=1)
     _check_confined(mask, q, k, v, do, bad_keys=(12, 33))
 
 
-@needs_kernels
-def test_causal_nonfinite_key_reaches_only_later_queries():
+def test_causal_nonfinite_key_reaches_only_later_queries(attention_backend):
     """Causal mask: the diagonal tiles hold rows that see a key and rows that do not."""
     T = 40
     mask = causal_block_mask(T, q_block=16, kv_tile=16, device=DEVICE)
@@ -201,7 +223,8 @@ _GDN_CLEAN = {}
 def _gdn_clean(fn, x, kwargs, upstream=None):
     """``_gdn_run`` of the unpoisoned inputs, once per case (the parametrized tests share their inputs;
     the interpreter is slow); all finite."""
-    key = (fn.__name__, upstream is not None, x["v"].dtype, tuple(x["v"].shape), tuple(sorted(kwargs)))
+    key = (fn.__name__, get_backend("gdn"), upstream is not None, x["v"].dtype, tuple(x["v"].shape),
+           tuple(sorted(kwargs)))
     if key not in _GDN_CLEAN:
         result = _gdn_run(fn, x, kwargs, upstream)
         for c in (result[0], result[1], *result[2].values()):
@@ -243,15 +266,15 @@ def _gdn_check_confined(fn, x, kwargs, segments, bad, name, t, value, grad):
         assert not o[b, rows.start + t].isfinite().all(), "the poisoned token's output stayed finite"
 
 
-@needs_kernels
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("name", GDN_INPUTS)
-def test_gdn_nonfinite_stays_in_its_sequence(name, value):
+def test_gdn_nonfinite_stays_in_its_sequence(gdn_backend, name, value):
     """B = 2 sequences of 70 tokens (a full chunk and a partial one), fp32, a GQA group of 2 value heads:
     a NaN / Inf at token 20 of sequence 1 (where the rows of sequence 0's partial chunk would run on to)
     leaves sequence 0's o, final state and gradients (q, k, v, g, beta, initial_state) exactly as in a
     clean run."""
-    require_triton_kernels("gdn")
+    if gdn_backend == "kernels":
+        require_triton_kernels("gdn")
     x, kwargs = _gdn_inputs(2, 70, torch.float32, N=2)
     segments = [(0, slice(0, 70)), (1, slice(0, 70))]
     _gdn_check_confined(chunk_gated_delta_rule, x, kwargs, segments, 1, name, 20, value, grad=True)
@@ -269,15 +292,15 @@ def _gdn_packed_docs():
     return x, kwargs, bounds
 
 
-@needs_kernels
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("name", GDN_INPUTS)
-def test_gdn_nonfinite_stays_in_its_document(name, value):
+def test_gdn_nonfinite_stays_in_its_document(gdn_backend, name, value):
     """Packed documents of 37, 70 and 45 tokens (cu_seqlens), bf16, the raw gate and beta logits in the
     kernel, q/k l2norm in the kernel: a NaN / Inf at token 20 of the middle document (where the rows of
     the first document's partial chunk would run on to) leaves the first and last documents' o, final
     states and gradients exactly as in a clean run."""
-    require_triton_kernels("gdn")
+    if gdn_backend == "kernels":
+        require_triton_kernels("gdn")
     x, kwargs, bounds = _gdn_packed_docs()
     segments = [(0, slice(bounds[n], bounds[n + 1])) for n in range(len(GDN_DOCS))]
     _gdn_check_confined(chunk_gated_delta_rule, x, kwargs, segments, 1, name, 20, value, grad=True)
@@ -411,20 +434,23 @@ def _conv_poisoned(case, spot, value, d=17):
 
 @pytest.fixture
 def conv_impl(request):
-    """The conv's implementation under test: the Triton kernels (interpreter on the CPU), or the CUDA
-    extension where it is built."""
+    """The conv's implementation under test: the Triton kernels (interpreter on the CPU), the CUDA
+    extension where it is built, or the plain-torch reference backend."""
     if request.param == "cuda":
         if DEVICE.type != "cuda" or not conv_cuda.available():
             pytest.skip("the conv1d CUDA extension is not built here")
         set_backend("conv1d", "cuda")
+    elif request.param == "reference":
+        set_backend("conv1d", "reference")
     else:
+        if DEVICE.type == "cpu" and not INTERPRET:
+            pytest.skip("kernels need CUDA or TRITON_INTERPRET=1")
         set_backend("conv1d", "triton" if DEVICE.type == "cuda" else "interpret")
     yield request.param
     set_backend("conv1d", "auto")
 
 
-@needs_kernels
-@pytest.mark.parametrize("conv_impl", ["triton", "cuda"], indirect=True)
+@pytest.mark.parametrize("conv_impl", ["triton", "cuda", "reference"], indirect=True)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 @pytest.mark.parametrize("layout", ["channel_first", "channel_last"])
 @pytest.mark.parametrize("spot", list(CONV_SPOTS))
@@ -455,8 +481,7 @@ def test_conv1d_nonfinite_stays_in_its_segment(conv_impl, spot, layout, value):
         assert not dx[b, d, t].isfinite(), "dx at the non-finite x stayed finite"
 
 
-@needs_kernels
-@pytest.mark.parametrize("conv_impl", ["triton", "cuda"], indirect=True)
+@pytest.mark.parametrize("conv_impl", ["triton", "cuda", "reference"], indirect=True)
 @pytest.mark.parametrize("layout", ["channel_first", "channel_last"])
 def test_conv1d_nonfinite_padding_reaches_no_weight_gradient(conv_impl, layout):
     """x at a padding time (seq_idx -1) feeds no output and no gradient (causal_conv1d's docstring): a

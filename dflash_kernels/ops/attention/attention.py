@@ -142,16 +142,18 @@ _fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _bac
 @_attention.impl("triton", "interpret")
 def _attention_kernels(q, k, v, mask, scale):
     check_kernel_grid(q.shape[0], q.shape[2], cdiv(q.shape[1], mask.q_block), cdiv(k.shape[1], mask.kv_tile))
-    return _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), mask.segments, mask.seg_count,
-                               mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries, mask.q_block,
-                               mask.kv_tile, mask.tile_width, scale)
+    # The kernels index the mask's tensors densely; the builders make them so, a mask assembled from
+    # views (strided, transposed, at an offset) is copied.
+    fields = (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries)
+    return _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), *(t.contiguous() for t in fields),
+                               mask.q_block, mask.kv_tile, mask.tile_width, scale)
 
 
 @_attention.impl("reference")
 def _attention_reference(q, k, v, mask, scale):
-    from dflash_kernels.ops.attention.naive import naive_block_sparse_attention
+    from dflash_kernels.ops.attention.naive import masked_block_sparse_attention
 
-    return naive_block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
+    return masked_block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
 
 
 def block_sparse_attention(q, k, v, mask, scale=None, return_lse=False):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dflash_kernels.ops.attention.mask import BlockSparseMask
 
-__all__ = ["naive_dense_mask", "naive_block_sparse_attention", "DEFAULT_MEMORY_BUDGET"]
+__all__ = ["naive_dense_mask", "naive_block_sparse_attention", "masked_block_sparse_attention", "DEFAULT_MEMORY_BUDGET"]
 
 DEFAULT_MEMORY_BUDGET = 4 << 30  # bytes
 
@@ -38,6 +38,17 @@ def naive_dense_mask(mask: BlockSparseMask) -> torch.Tensor:
     return out
 
 
+def _check_budget(mask, B, Tq, Tk, Hq, D, memory_budget):
+    """A ValueError before anything large is allocated when the dense forms would take over the budget."""
+    need = (mask.batch_size * Tq * Tk  # bool mask
+            + 3 * 4 * B * Hq * Tq * Tk  # fp32 scores, probabilities and one temporary
+            + 4 * (2 * B * Tq * Hq * D + 2 * B * Tk * Hq * D))  # fp32 q, o and GQA-expanded k, v
+    if need > memory_budget:
+        raise ValueError(f"memory_budget: naive_block_sparse_attention needs about {need / 2**30:.2f} GiB for "
+                         f"B={B}, Tq={Tq}, Tk={Tk}, Hq={Hq}, D={D}, over the budget of {memory_budget / 2**30:.2f} GiB; "
+                         f"use smaller shapes or pass a larger memory_budget")
+
+
 def naive_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, return_lse=False,
                                  memory_budget=DEFAULT_MEMORY_BUDGET):
     """Block-sparse attention the slow way: dense mask + ``F.scaled_dot_product_attention`` in fp32.
@@ -56,13 +67,7 @@ def naive_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, ret
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    need = (mask.batch_size * Tq * Tk  # bool mask
-            + 3 * 4 * B * Hq * Tq * Tk  # fp32 scores, probabilities and one temporary
-            + 4 * (2 * B * Tq * Hq * D + 2 * B * Tk * Hq * D))  # fp32 q, o and GQA-expanded k, v
-    if need > memory_budget:
-        raise ValueError(f"memory_budget: naive_block_sparse_attention needs about {need / 2**30:.2f} GiB for "
-                         f"B={B}, Tq={Tq}, Tk={Tk}, Hq={Hq}, D={D}, over the budget of {memory_budget / 2**30:.2f} GiB; "
-                         f"use smaller shapes or pass a larger memory_budget")
+    _check_budget(mask, B, Tq, Tk, Hq, D, memory_budget)
     vis = naive_dense_mask(mask).expand(B, -1, -1)[:, None]  # [B, 1, Tq, Tk]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
@@ -76,3 +81,69 @@ def naive_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, ret
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     lse = torch.logsumexp(scores.masked_fill(~vis, float("-inf")), -1)
     return o, lse
+
+
+def _bad_rows(x: torch.Tensor) -> list:
+    """Indices along dim -2 of ``x`` ``[B, H, T, D]`` where some element is non-finite."""
+    return (~x.isfinite()).any(-1).any(1).any(0).nonzero().flatten().tolist()
+
+
+def _contract(p: torch.Tensor, x: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
+    """``p @ x`` (``p`` ``[B, H, M, N]`` exactly 0 where ``vis`` ``[B, 1, M, N]`` is False, ``x`` ``[B, H, N, D]``),
+    where a non-finite row n of x reaches only the rows m with ``vis[m, n]``: the plain product would
+    multiply its NaN / Inf by the exact zeros of every other row."""
+    bad = _bad_rows(x)
+    if not bad:
+        return torch.matmul(p, x)
+    out = torch.matmul(p, x.index_fill(-2, torch.tensor(bad, device=x.device), 0.0))
+    for n in bad:
+        out = out + torch.where(vis[..., n, None], p[..., n, None] * x[..., n, None, :], 0.0)
+    return out
+
+
+class _MaskedAttention(torch.autograd.Function):
+    """Softmax attention over a dense visibility mask, fp32 ``[B, H, T, D]``, with the backward written out
+    so that every product that sums over keys (o, dq) or over queries (dk, dv) leaves out the pairs the
+    mask hides (``_contract``): a NaN / Inf reaches exactly the outputs and gradients of the rows and keys
+    that see it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, vis, scale):
+        s = torch.where(vis, torch.matmul(q, k.transpose(-1, -2)) * scale, float("-inf"))
+        lse = torch.logsumexp(s, -1, keepdim=True)  # -inf for rows that see no key
+        p = torch.where(vis, torch.exp(s - lse), 0.0)
+        o = _contract(p, v, vis)
+        ctx.save_for_backward(q, k, v, vis, p)
+        ctx.scale = scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        q, k, v, vis, p = ctx.saved_tensors
+        vis_t, p_t = vis.transpose(-1, -2), p.transpose(-1, -2)
+        dv = _contract(p_t, do, vis_t)
+        dp = torch.where(vis, torch.matmul(do, v.transpose(-1, -2)), 0.0)
+        ds = torch.where(vis, p * (dp - (p * dp).sum(-1, keepdim=True)), 0.0) * ctx.scale
+        dq = _contract(ds, k, vis)
+        dk = _contract(ds.transpose(-1, -2), q, vis_t)
+        return dq, dk, dv, None, None
+
+
+def masked_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, return_lse=False,
+                                  memory_budget=DEFAULT_MEMORY_BUDGET):
+    """:func:`naive_block_sparse_attention`'s result (fp32 math, the dense mask), computed so that a masked
+    key contributes exactly zero also when it is non-finite: a NaN / Inf in a key, value, query or upstream
+    gradient reaches only the rows and keys that see it, forward and backward, as the kernels guarantee.
+    The ``reference`` backend's form. Same arguments and returns."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    _check_budget(mask, B, Tq, Tk, Hq, D, memory_budget)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    vis = naive_dense_mask(mask).expand(B, -1, -1)[:, None]  # [B, 1, Tq, Tk]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
+    o, lse = _MaskedAttention.apply(qf, kf, vf, vis, scale)
+    o = o.transpose(1, 2).to(q.dtype)
+    return (o, lse) if return_lse else o

@@ -30,17 +30,16 @@ def naive_causal_conv1d(x, weight, bias=None, activation=None, seq_idx=None, ini
     y = xf.new_zeros(B, D, T)
     for i in range(W):
         src = full[:, :, i:i + T]  # x[t - (W-1-i)]
-        term = weight[:, i].float()[None, :, None] * src
-        if seq_idx is not None:
-            same = (seq[:, i:i + T] == seq_idx.long())[:, None, :]
-            term = term * same
-        y = y + term
+        if seq_idx is not None:  # selected before the product: a NaN / Inf of another sequence stays out
+            same = ((seq[:, i:i + T] == seq_idx.long()) & (seq_idx >= 0))[:, None, :]
+            src = torch.where(same, src, 0.0)
+        y = y + weight[:, i].float()[None, :, None] * src
     if bias is not None:
         y = y + bias.float()[None, :, None]
     if activation in ("silu", "swish"):
         y = F.silu(y)
     if seq_idx is not None:  # a negative id marks padding: output 0 there, no gradient through it
-        y = y * (seq_idx >= 0)[:, None, :]
+        y = torch.where((seq_idx >= 0)[:, None, :], y, 0.0)
     y = y.to(dtype)
     if return_final_states:
         final = full[:, :, -(W - 1):].to(dtype)
