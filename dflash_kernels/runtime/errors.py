@@ -1,6 +1,6 @@
-"""Exceptions raised by the runtime."""
+"""Exceptions and warnings raised by the runtime."""
 
-__all__ = ["KernelCacheMiss", "BackendUnavailable"]
+__all__ = ["KernelCacheMiss", "BackendUnavailable", "TuningCacheWarning"]
 
 
 class KernelCacheMiss(RuntimeError):
@@ -9,3 +9,7 @@ class KernelCacheMiss(RuntimeError):
 
 class BackendUnavailable(RuntimeError):
     """The backend asked for cannot run here (missing package, wrong device, no interpreter)."""
+
+
+class TuningCacheWarning(RuntimeWarning):
+    """The tuning cache folder cannot be written, or one of its files was damaged: the op runs anyway."""

@@ -17,10 +17,26 @@ __all__ = ["register_precompile", "precompile"]
 _builders = {}
 
 
-def register_precompile(op: str):
-    """Decorator: ``fn(shape: dict, dtype, device, backward: bool)`` runs ``op`` once on made-up inputs."""
+def register_precompile(op: str, *more: str):
+    """Decorator: ``fn(shape: dict, dtype, device, backward: bool)`` runs ``op`` once on made-up inputs.
+
+    The builder must run every form of the op a run can take (each public function, each constexpr variant
+    a shape bucket can take), so that :func:`dflash_kernels.strict` after a precompile meets no miss. ``more``
+    names further ops it serves (an op whose public functions dispatch under several names): a spec of any
+    of the names runs it. A name given two different builders is an error, not a silent replacement (the same
+    builder again, as a reloaded module gives it, replaces its old self)."""
+    names = (op,) + more
+
+    def where(fn):
+        return f"{fn.__module__}.{fn.__qualname__}"
+
     def wrap(fn):
-        _builders[op] = fn
+        for name in names:
+            if name in _builders and where(_builders[name]) != where(fn):
+                raise ValueError(f"op: {name!r} already has a precompile builder ({where(_builders[name])}); "
+                                 f"got another one ({where(fn)})")
+        for name in names:
+            _builders[name] = fn
         return fn
     return wrap
 

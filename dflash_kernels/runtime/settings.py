@@ -30,7 +30,8 @@ def _env_flag(name: str) -> bool:
 
 
 def cache_dir() -> str:
-    """The folder holding persisted tuning results; created on first use."""
+    """The folder holding persisted tuning results; created on the first write. When it cannot be created or
+    written, tuning results stay in the process's memory (one ``TuningCacheWarning``; ``tuning.py``)."""
     path = os.environ.get("DFLASH_KERNELS_CACHE_DIR")
     if not path:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

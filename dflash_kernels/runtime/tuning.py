@@ -6,6 +6,12 @@ exclusive ``flock`` on a side lock file, re-read the file, merge, write a tempor
 ``os.replace`` it: concurrent processes never lose each other's entries and a reader never sees a
 half-written file.
 
+The cache never stops an op: when its folder cannot be created or written, one
+:class:`~dflash_kernels.runtime.errors.TuningCacheWarning` says so and the results stay in the process's
+memory (timed again by the next process). A damaged file (not JSON, or not an object of entries) is
+moved aside to ``<name>.corrupt-<n>`` with a warning naming both paths, never overwritten, and the
+store starts that file empty.
+
 The package ships files of the same name and format in ``dflash_kernels/runtime/tuned/``: results timed
 on that GPU model (the shapes of the main job), read-only, consulted for a key the cache directory does
 not hold (``DFLASH_KERNELS_PACKAGED_TUNING=0`` ignores them). The cache's own entries win; an entry of an
@@ -13,15 +19,20 @@ edited kernel carries the old source hash and is never found. ``python -m dflash
 ship FILE`` copies a cache file's entries of the current kernels into the package.
 """
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import threading
+import warnings
 
 import triton
 
 from dflash_kernels.runtime import settings
 from dflash_kernels.runtime.devices import gpu_model
+from dflash_kernels.runtime.errors import TuningCacheWarning
 
 try:
     import fcntl
@@ -37,31 +48,117 @@ def file_name(model: str) -> str:
     return f"tuning-{model}-triton{triton.__version__}.json"
 
 
+def read_table(path: str):
+    """The entries of the tuning file ``path``: ``{}`` when there is no such file, None when it is damaged
+    (not JSON, or not an object whose values are objects). Other read errors (permissions) raise OSError."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError:  # invalid JSON or invalid UTF-8
+        return None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        return None
+    return data
+
+
+def _free_aside_name(path: str) -> str:
+    n = 1
+    while os.path.lexists(f"{path}.corrupt-{n}"):
+        n += 1
+    return f"{path}.corrupt-{n}"
+
+
 class TuningStore:
     def __init__(self, directory: str, packaged_dir: str = None):
         self.directory = directory
         self.packaged_dir = PACKAGED_DIR if packaged_dir is None else packaged_dir
-        self._memory = {}  # path -> dict, loaded lazily
+        self._memory = {}  # path -> dict, loaded lazily; holds this process's results when writes fail
         self._packaged = {}  # file name -> dict, loaded lazily
         self._lock = threading.Lock()
+        self._write_error = None  # the OSError that stopped writes to ``directory``; warned about once
+        self._warned = set()
 
     def path(self, device: int) -> str:
         return os.path.join(self.directory, file_name(gpu_model(device)))
 
+    def _warn(self, what, message: str) -> None:
+        """One warning per ``what`` (a hashable naming the event) per store; called under ``self._lock``."""
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, TuningCacheWarning, stacklevel=2)
+
+    @contextlib.contextmanager
+    def _file_lock(self, path: str):
+        """The lock every process holds while it reads, moves aside or replaces ``path``."""
+        os.makedirs(self.directory, exist_ok=True)
+        with open(path + ".lock", "a+") as lock_file:
+            if fcntl is not None:
+                fcntl.flock(lock_file, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+    def _read_locked(self, path: str) -> dict:
+        """``path``'s entries, read under its file lock; a damaged file is moved aside first. Raises
+        OSError when the file cannot be read or moved: the caller then must not write over it."""
+        table = read_table(path)
+        if table is None:
+            aside = _free_aside_name(path)
+            os.rename(path, aside)  # under the lock: no other process picks the same name or moves a good file
+            self._warn(("moved", aside), f"tuning file {path} is damaged (not a JSON object of entries); "
+                                         f"moved it to {aside} and started it empty")
+            table = {}
+        return table
+
     def _load(self, path: str) -> dict:
+        """The cache file's entries for this process's memory (called under ``self._lock``). A file that
+        cannot be read, or is damaged and cannot be moved aside, is ignored and never written over."""
         try:
-            with open(path) as f:
-                data = json.load(f)
-            return data if isinstance(data, dict) else {}
-        except (OSError, ValueError):
+            table = read_table(path)
+        except OSError as e:
+            self._write_error = self._write_error or e
+            self._warn(("read", path), f"cannot read the tuning file {path} ({e}); it is ignored in this process "
+                                       f"and not written over")
             return {}
+        if table is None:  # damaged, seen without the file lock: look again under it, and move it aside
+            try:
+                with self._file_lock(path):
+                    table = self._read_locked(path)
+            except OSError as e:
+                self._write_error = self._write_error or e
+                self._warn(("damaged", path), f"tuning file {path} is damaged (not a JSON object of entries) and "
+                                              f"cannot be moved aside ({e}); it is ignored in this process and "
+                                              f"not written over")
+                return {}
+        return table
+
+    def _shipped(self, name: str) -> dict:
+        table = self._packaged.get(name)
+        if table is None:
+            path = os.path.join(self.packaged_dir, name)
+            try:
+                table = read_table(path)
+            except OSError:
+                table = {}
+            if table is None:
+                self._warn(("packaged", path), f"the packaged tuning file {path} is damaged; it is ignored")
+                table = {}
+            self._packaged[name] = table
+        return table
 
     def get(self, device: int, entry: str):
         """The saved result of ``entry``: the cache directory's, else the package's (when enabled), else None."""
         return self.lookup(device, entry)[0]
 
     def lookup(self, device: int, entry: str) -> tuple:
-        """``(saved result, "disk" or "packaged")`` of ``entry``, or ``(None, None)``."""
+        """``(saved result, "disk" or "packaged")`` of ``entry``, or ``(None, None)``. "disk" includes this
+        process's results kept in memory when the cache folder cannot be written."""
         path = self.path(device)
         with self._lock:
             table = self._memory.get(path)
@@ -71,33 +168,48 @@ class TuningStore:
             if found is not None:
                 return found, "disk"
             if settings.packaged_tuning():
-                name = os.path.basename(path)
-                shipped = self._packaged.get(name)
-                if shipped is None:
-                    shipped = self._packaged[name] = self._load(os.path.join(self.packaged_dir, name))
-                found = shipped.get(entry)
+                found = self._shipped(os.path.basename(path)).get(entry)
                 if found is not None:
                     return found, "packaged"
             return None, None
 
     def put(self, device: int, entry: str, value: dict) -> None:
+        """Save ``entry``: in memory, and merged into the cache file unless the cache folder cannot be
+        written (then it stays in memory for this process; one warning, and no further write is tried)."""
         path = self.path(device)
-        os.makedirs(self.directory, exist_ok=True)
         with self._lock:
-            with open(path + ".lock", "a+") as lock_file:
-                if fcntl is not None:
-                    fcntl.flock(lock_file, fcntl.LOCK_EX)
-                try:
-                    table = self._load(path)
-                    table[entry] = value
-                    fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tuning-", suffix=".tmp")
-                    with os.fdopen(fd, "w") as f:
-                        json.dump(table, f, indent=1, sort_keys=True)
-                    os.replace(tmp, path)
-                finally:
-                    if fcntl is not None:
-                        fcntl.flock(lock_file, fcntl.LOCK_UN)
-            self._memory[path] = table
+            table = self._memory.get(path)
+            if table is None:
+                table = self._memory[path] = self._load(path)
+            table[entry] = value
+            if self._write_error is not None:
+                return
+            try:
+                with self._file_lock(path):
+                    merged = self._read_locked(path)
+                    merged[entry] = value
+                    self._replace(path, merged)
+            except OSError as e:
+                self._write_error = e
+                self._warn("write", f"cannot write tuning results to {self.directory} ({e}); they are kept in "
+                                    f"memory for this process only (set DFLASH_KERNELS_CACHE_DIR to a writable "
+                                    f"folder to persist them)")
+                return
+            table.update(merged)  # other processes' entries too
+
+    def _replace(self, path: str, table: dict) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tuning-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+                f.flush()
+                # on disk before the rename: after a crash the file is the old or the new one, never empty
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 _store = None
@@ -175,7 +287,21 @@ def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR) -> tup
 
 def current_kernel_hashes() -> dict:
     """``{kernel name: source hash}`` of every :class:`~dflash_kernels.runtime.kernel.TritonKernel` the
-    package's ops define."""
+    package's ops define, as the compiled path keys its tuning entries (Triton's ``cache_key`` of the
+    kernel: its source, the jit functions it calls and its first line number).
+
+    Under ``TRITON_INTERPRET=1`` the kernels are interpreted functions without that key (``TritonKernel``
+    hashes their Python source instead), so the hashes come from a Python process run without it."""
+    if settings.interpreting():
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+        code = ("import json\nfrom dflash_kernels.runtime.tuning import current_kernel_hashes\n"
+                "print(json.dumps(current_kernel_hashes()))\n")
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+        if out.returncode:
+            raise RuntimeError(f"computing the compiled kernels' source hashes failed:\n{out.stderr}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
     import dflash_kernels  # noqa: F401 - imports every op, which defines its kernels
     from dflash_kernels.runtime.kernel import all_kernels
 

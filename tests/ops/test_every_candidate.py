@@ -1,4 +1,5 @@
-"""Every tuning candidate of every Triton kernel, forced alone, against the fp32 reference (GPU only).
+"""Every tuning candidate of every Triton kernel, forced alone, against the fp32 reference (GPU; the RMSNorm
+kernels' candidates also under the CPU interpreter).
 
 The tuner may pick any candidate of a kernel's ``configs`` on some shape, and with tuning off the first
 runs; so each one must be right. For each ``TritonKernel`` of each op (found by walking the ops'
@@ -13,7 +14,9 @@ so it raises ``OutOfResources``). The test also asserts the kernel was launched,
 longer reaches its kernel cannot pass. A kernel added later is found automatically and fails
 ``test_every_kernel_has_a_driver`` until a driver for it is added to ``DRIVERS``.
 
-Run on a GPU:   python -m pytest tests/ops/test_every_candidate.py -q  (the two discovery tests also run on a CPU)
+Run on a GPU:   python -m pytest tests/ops/test_every_candidate.py -q  (the discovery tests also run on a CPU)
+On a CPU:       TRITON_INTERPRET=1 python -m pytest tests/ops/test_every_candidate.py -q -k interpret  (the
+kernels of ``INTERPRETED``, each candidate as the interpreted config, at the driver's small size ``interpret``)
 Tuning mode of the whole GPU suite: ``--tuning on|off|default`` (tests/conftest.py).
 """
 
@@ -27,7 +30,7 @@ from triton.runtime.errors import OutOfResources
 import dflash_kernels.ops as ops_pkg
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import ByPrecision
 from dflash_kernels.runtime import TritonKernel
-from tests.helpers import check_close, on_reference_device, rel_err, worst_row_err
+from tests.helpers import check_close, device, on_reference_device, rel_err, require_triton_kernels, worst_row_err
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -229,21 +232,40 @@ def _linear_cross_entropy(size, dtype):
             assert row <= row_tol, f"{name}: worst row relative error {row:.3g} > {row_tol:.3g}"
 
 
-def _rms_norm(narrow):
-    def run(size, dtype):
-        from tests.ops.test_rms_norm import TOL
-        from dflash_kernels.ops.rms_norm import naive_rms_norm, rms_norm
+def _rms_norm_forms(kernel, flag):
+    """The forms of ``kernel`` in its compile cache: ``(HAS_GATE, flag)`` of each key."""
+    forms = set()
+    for key in kernel.cache_info():
+        constexprs = dict(key[2])
+        forms.add((constexprs.get("HAS_GATE", False), constexprs.get(flag, False)))
+    return forms
 
+
+def _rms_norm(narrow):
+    """Every form the RMSNorm kernels of one width run, forward and backward: the plain norm, the gated norm
+    (HAS_GATE) and the fused residual add (HAS_RES; its backward with ``h`` read on, HAS_DRES, and with ``y``
+    alone read). Sizes ``real`` and ``odd`` on a GPU, ``interpret`` (small) under the CPU interpreter."""
+    def run(size, dtype):
+        from dflash_kernels.ops.rms_norm import naive_rms_norm, rms_norm
+        from dflash_kernels.ops.rms_norm import kernels as rk
+        from tests.ops.test_fused_add_rms_norm import _compare as compare_fused_add
+        from tests.ops.test_rms_norm import TOL, _compare_gated
+
+        dev = device()
         if narrow:
-            shape = (8192 * 8, 128) if size == "real" else (3 * 4099, 8, 256)
+            shape = {"real": (8192 * 8, 128), "odd": (3 * 4099, 8, 256), "interpret": (3, 101, 67)}[size]
+            fwd, bwd = rk.rms_norm_fwd_narrow, rk.rms_norm_bwd_narrow
         else:
-            shape = (8192, 2560) if size == "real" else (3001, 1000)
-        x = (torch.randn(shape, device="cuda") * 2).to(dtype)
-        w = (torch.randn(shape[-1], device="cuda") * 0.2 + 1.0).to(dtype)
+            shape = {"real": (8192, 2560), "odd": (3001, 1000), "interpret": (37, 600)}[size]
+            fwd, bwd = rk.rms_norm_fwd_wide, rk.rms_norm_bwd_wide
+        fwd.reset()  # only the forms this run launches count below
+        bwd.reset()
+        x = (torch.randn(shape, device=dev) * 2).to(dtype)
+        w = (torch.randn(shape[-1], device=dev) * 0.2 + 1.0).to(dtype)
         xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
         xr, wr = x.float().requires_grad_(), w.float().requires_grad_()
         y, yr = rms_norm(xo, wo, 1e-6), naive_rms_norm(xr, wr, 1e-6)
-        go = torch.randn(y.shape, device="cuda").to(dtype)
+        go = torch.randn(y.shape, device=dev).to(dtype)
         dx, dw = _grads(y, (xo, wo), go)
         dxr, dwr = _grads(yr, (xr, wr), go.float())
         tol, row_tol = TOL[dtype]
@@ -251,10 +273,14 @@ def _rms_norm(narrow):
         _check("y", y, yr.to(dtype), tol, row_tol)
         _check("dx", dx, dxr, tol, row_tol)
         _check("dweight", dw, dwr, 2 * tol, 2 * row_tol)  # one row: a reduction over every row of x
-        if narrow:  # the gated form (the GDN output norm) runs the same kernels with HAS_GATE
-            from tests.ops.test_rms_norm import _compare_gated
-            g = (torch.randn(shape, device="cuda") * 2).to(dtype)
-            _compare_gated(x, g, w, 1e-6, 0.0, dtype, round_normed=True)
+        g = (torch.randn(shape, device=dev) * 2).to(dtype)
+        _compare_gated(x, g, w, 1e-6, 0.0, dtype, round_normed=True)  # the GDN output norm's form
+        residual = torch.randn(shape, device=dev).to(dtype)
+        compare_fused_add(x, residual, w, 1e-6, 1.0)  # h goes on down the residual stream
+        compare_fused_add(x, residual, w, 1e-6, 0.0, read=("y",))  # the last layer: y alone is read
+        plain, gated, fused_add = (False, False), (True, False), (False, True)
+        assert {plain, gated, fused_add} <= _rms_norm_forms(fwd, "HAS_RES"), "a forward form did not run"
+        assert {plain, gated, fused_add} <= _rms_norm_forms(bwd, "HAS_DRES"), "a backward form did not run"
     return run
 
 
@@ -336,10 +362,9 @@ def _out_of_resources(e):
     return None
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,index,size", CASES)
-def test_candidate(monkeypatch, name, index, size):
-    """Config ``index`` of kernel ``name`` as its only candidate: outputs and gradients at ``size``."""
+def _run_alone(monkeypatch, name, index, size):
+    """Run ``DRIVERS[name]`` at ``size`` with config ``index`` as kernel ``name``'s only candidate (and, under
+    the interpreter, as its interpreted config); check that the driver launched it with that config."""
     kernel = KERNELS[name]
     driver = DRIVERS.get(name)
     if driver is None:
@@ -348,11 +373,13 @@ def test_candidate(monkeypatch, name, index, size):
     # Untimed: the conv's CUDA-vs-Triton choice takes Triton (its default), so the Triton kernel runs.
     monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
     monkeypatch.setattr(kernel, "configs", [config])
+    monkeypatch.setattr(kernel, "interpret_config", config)
     kernel.reset()
     try:
         try:
             driver(size, _dtype_of(name))
-            torch.cuda.synchronize()  # a fault surfaces here, in this test
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # a fault surfaces here, in this test
         except Exception as e:
             oor = _out_of_resources(e)
             if oor is None:
@@ -363,6 +390,29 @@ def test_candidate(monkeypatch, name, index, size):
         assert all(c == config.as_dict() for c in used), f"{name}: ran {used}, not {config}"
     finally:
         kernel.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,index,size", CASES)
+def test_candidate(monkeypatch, name, index, size):
+    """Config ``index`` of kernel ``name`` as its only candidate: outputs and gradients at ``size``."""
+    _run_alone(monkeypatch, name, index, size)
+
+
+# Kernels whose drivers also run under the CPU interpreter (size "interpret": small, odd).
+INTERPRETED = sorted(n for n in KERNELS if n.startswith("rms_norm_"))
+INTERPRETED_CASES = [pytest.param(name, i, id=f"{name}[{i}]-interpret")
+                     for name in INTERPRETED for i in range(len(KERNELS[name].configs))]
+
+
+@pytest.mark.parametrize("name,index", INTERPRETED_CASES)
+def test_candidate_interpreted(monkeypatch, name, index):
+    """Config ``index`` of kernel ``name`` through the Triton interpreter on the CPU: every form its driver
+    runs, against the reference (the block shapes and masks of each candidate, without a GPU)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU test_candidate runs every candidate compiled")
+    require_triton_kernels("rms_norm")
+    _run_alone(monkeypatch, name, index, "interpret")
 
 
 def test_memcheck_families_cover_every_kernel():

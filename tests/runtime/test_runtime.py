@@ -3,9 +3,11 @@
 import importlib
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -143,21 +145,216 @@ def test_precompile_then_strict():
         dk.precompile([("nope", {}, torch.float32)], devices=[device()])
 
 
-def test_tuning_store_persists_across_processes(tmp_path):
-    # Four processes write different entries at once; all survive, and a new process reads them.
-    code = ("import sys; from dflash_kernels.runtime import tuning\n"
-            "s = tuning.TuningStore(sys.argv[1])\n"
-            "for j in range(20):\n"
-            "    s.put(-1, f'k{sys.argv[2]}-{j}', {'config': {'BT': j}, 'ms': 1.0})\n")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(i)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(4)]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, outputs
-    path = tuning.TuningStore(str(tmp_path)).path(-1)
-    data = json.load(open(path))
-    assert len(data) == 80
+def test_precompile_of_the_rms_norm_functions_then_strict():
+    """A precompile of each public function of the RMSNorm op (``rms_norm``, ``rms_norm_gated``,
+    ``fused_add_rms_norm``) compiles what that function runs, forward and backward (the fused add in the decoder
+    layer's form: both outputs read on), so that none of them misses in strict mode."""
+    from dflash_kernels.ops.rms_norm import fused_add_rms_norm, rms_norm, rms_norm_gated
+
+    dk.reset_cache()  # keys compiled by earlier tests must not stand in for the precompile's
+    specs = [(name, dict(N=20, D=40), torch.float32) for name in ("rms_norm", "rms_norm_gated", "fused_add_rms_norm")]
+    report = dk.precompile(specs, devices=[device()], verbose=False)
+    assert all(item["new_keys"] for item in report["items"]), report["items"]
+
+    def leaves(n):
+        return [torch.randn(20, 40, device=device(), requires_grad=True) for _ in range(n)]
+
+    w = torch.randn(40, device=device(), requires_grad=True)
+    with dk.strict():
+        (x,) = leaves(1)
+        torch.autograd.grad(rms_norm(x, w).sum(), (x, w))
+        x, g = leaves(2)
+        torch.autograd.grad(rms_norm_gated(x, g, w).sum(), (x, g, w))
+        x, r = leaves(2)
+        y, h = fused_add_rms_norm(x, r, w)
+        torch.autograd.grad((y.sum(), h.sum()), (x, r, w))
+
+
+def test_register_precompile_names_and_conflicts(monkeypatch):
+    pc = importlib.import_module("dflash_kernels.runtime.precompile")  # the module (the package exports the function)
+    monkeypatch.setattr(pc, "_builders", {})
+    ran = []
+
+    @dk.runtime.register_precompile("toy", "toy_gated")
+    def build(shape, dtype, device, backward):
+        ran.append(shape["N"])
+
+    dk.precompile([("toy", dict(N=1), torch.float32), ("toy_gated", dict(N=2), torch.float32)],
+                  devices=[torch.device("cpu")], verbose=False)
+    assert ran == [1, 2]
+    with pytest.raises(ValueError, match=r"op: 'toy_gated' already has a precompile builder \(.*build\)"):
+        dk.runtime.register_precompile("toy_gated")(lambda shape, dtype, device, backward: None)
+    assert pc._builders["toy_gated"] is build
+
+
+def _put_keys(directory, i, n, go):
+    """A process of the test below: ``n`` entries of its own into the store of ``directory``, once ``go`` is set
+    (so that the processes write at the same time, not one after the other's start-up)."""
+    store = tuning.TuningStore(directory)
+    go.wait()
+    store.get(-1, "none")  # a lookup first, as a config choice does: a damaged file is seen (and moved) here
+    for j in range(n):
+        store.put(-1, f"k{i}-{j}", {"config": {"BT": j}, "ms": 1.0})
+
+
+@pytest.mark.parametrize("start", ["absent", "damaged"])
+def test_processes_writing_one_tuning_file_lose_no_entry(tmp_path, start):
+    """Four processes (spawned, not forked) put 20 entries each into one file at once: all 80 are there at the
+    end, a reader never sees the file invalid, a new store reads them, no temporary file is left. Starting from
+    a damaged file, exactly one process moves it aside (one ``.corrupt-1``, holding the damaged bytes)."""
+    import multiprocessing
+
+    path = pathlib.Path(tuning.TuningStore(str(tmp_path)).path(-1))
+    damaged = b'{"k|h|1": {"config": '
+    if start == "damaged":
+        path.write_bytes(damaged)
+    ctx = multiprocessing.get_context("spawn")
+    go = ctx.Event()
+    procs = [ctx.Process(target=_put_keys, args=(str(tmp_path), i, 20, go)) for i in range(4)]
+    for p in procs:
+        p.start()
+    go.set()
+    while any(p.is_alive() for p in procs):
+        if start == "absent" and path.exists():
+            assert isinstance(json.loads(path.read_bytes()), dict), "a reader saw an invalid tuning file"
+        time.sleep(0.002)
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0] * 4
+    data = json.loads(path.read_text())
+    assert set(data) == {f"k{i}-{j}" for i in range(4) for j in range(20)}
     assert tuning.TuningStore(str(tmp_path)).get(-1, "k3-19") == {"config": {"BT": 19}, "ms": 1.0}
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")], "temporary files left behind"
+    aside = sorted(f for f in os.listdir(tmp_path) if ".corrupt-" in f)
+    if start == "damaged":
+        assert aside == [path.name + ".corrupt-1"], aside
+        assert (tmp_path / aside[0]).read_bytes() == damaged
+    else:
+        assert not aside
+
+
+DAMAGED = {"invalid JSON": b'{"k|h|1": {"config": {"BT": 1}, "ms"', "a list": b"[1, 2]",
+           "an entry not an object": b'{"k|h|1": 3}', "empty": b"", "not UTF-8": b'{"\xff": {}}'}
+
+
+@pytest.mark.parametrize("content", list(DAMAGED.values()), ids=list(DAMAGED))
+def test_a_damaged_tuning_file_is_moved_aside_never_overwritten(tmp_path, content):
+    store = tuning.TuningStore(str(tmp_path))
+    path = pathlib.Path(store.path(-1))
+    aside = [pathlib.Path(f"{path}.corrupt-{n}") for n in (1, 2, 3)]
+    path.write_bytes(content)
+    aside[0].write_bytes(b"an older damaged file")  # taken: the next free number is 2
+    with pytest.warns(dk.runtime.TuningCacheWarning) as caught:
+        assert store.get(-1, "k|h|1") is None, "a damaged file's entries are not read"
+        store.put(-1, "k|h|2", {"config": {"BT": 2}, "ms": 1.0})
+    messages = [str(w.message) for w in caught if issubclass(w.category, dk.runtime.TuningCacheWarning)]
+    assert len(messages) == 1 and str(path) in messages[0] and str(aside[1]) in messages[0], messages
+    assert aside[1].read_bytes() == content, "the damaged file is kept as it was"
+    assert aside[0].read_bytes() == b"an older damaged file"
+    assert json.loads(path.read_text()) == {"k|h|2": {"config": {"BT": 2}, "ms": 1.0}}, "the store started empty"
+    assert tuning.TuningStore(str(tmp_path)).get(-1, "k|h|2") == {"config": {"BT": 2}, "ms": 1.0}
+
+    # Damaged by someone else after this store read it: the next write moves it aside too, never over it.
+    path.write_bytes(content)
+    with pytest.warns(dk.runtime.TuningCacheWarning, match="corrupt-3"):
+        store.put(-1, "k|h|3", {"config": {"BT": 3}, "ms": 1.0})
+    assert aside[2].read_bytes() == content
+    assert set(json.loads(path.read_text())) == {"k|h|3"}
+
+
+@pytest.fixture
+def read_only_directory(tmp_path):
+    """An existing folder nothing can be written into. Root ignores the permission bits, so as root the folder
+    is also made immutable (``chattr +i``); where neither holds, the test is skipped."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    immutable = False
+
+    def writable():
+        try:
+            (folder / "probe").touch()
+        except OSError:
+            return False
+        (folder / "probe").unlink()
+        return True
+
+    if writable():
+        immutable = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+        if not immutable or writable():
+            folder.chmod(0o755)
+            pytest.skip("cannot make a read-only folder here (root, without chattr)")
+    yield folder
+    if immutable:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+    folder.chmod(0o755)
+
+
+@pytest.fixture(params=["read_only", "under_a_file"])
+def unwritable_cache(request, tmp_path):
+    """A cache folder that exists read-only, or a path that cannot be created (under a regular file)."""
+    if request.param == "read_only":
+        return request.getfixturevalue("read_only_directory")
+    (tmp_path / "a_file").write_text("")
+    return tmp_path / "a_file" / "cache"
+
+
+def test_an_unwritable_cache_folder_keeps_results_in_memory_with_one_warning(unwritable_cache, monkeypatch):
+    """The config choice of a kernel (as on a GPU with tuning on; the timing replaced) and a timed implementation
+    choice both go on when nothing can be written: their results are kept in memory for the process (found
+    again without timing), and one warning names the folder however many writes fail."""
+    import warnings
+
+    from dflash_kernels.runtime.kernel import _Entry
+
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(unwritable_cache))
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    kernel = next(k for k in all_kernels() if len(k.configs) > 1)
+    timed = []
+
+    def fake_timing(grid, args, constexprs, dev):
+        timed.append(args)
+        return kernel.configs[1], {repr(c): 1.0 + i for i, c in enumerate(kernel.configs)}
+
+    monkeypatch.setattr(kernel, "_time_configs", fake_timing)
+    keys = [((64,), (), ("fast", i), -1) for i in range(3)]
+    choice = dk.runtime.Choice("test_unwritable", default="triton", version=lambda: "v1")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, key in enumerate(keys):
+            entry = _Entry()
+            assert kernel._choose_config(key, (1,), (i,), {}, -1, entry) is kernel.configs[1]
+            assert entry.tuned_from == "timed"
+        assert choice.choose(("fwd", 1), torch.device("cpu"), _candidates(),
+                             timer=_FakeTimer({"triton": 2.0, "cuda": 1.0})) == "cuda"
+        entry = _Entry()  # a key of the process again (a reset cache): found in memory, not timed again
+        again = kernel._choose_config(keys[0], (1,), ("again",), {}, -1, entry)
+        assert again.as_dict() == kernel.configs[1].as_dict()
+        assert entry.tuned_from == "disk" and timed == [(0,), (1,), (2,)]
+        choice.reset()
+        assert choice.choose(("fwd", 1), torch.device("cpu"), _candidates(), timer=_no_timing) == "cuda"
+    ours = [w for w in caught if issubclass(w.category, dk.runtime.TuningCacheWarning)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert str(unwritable_cache) in str(ours[0].message)
+    assert not os.path.exists(unwritable_cache) or not os.listdir(unwritable_cache)
+
+
+@pytest.mark.gpu
+def test_gpu_op_runs_with_an_uncreatable_cache_folder(tmp_path, monkeypatch):
+    """Tuning on, the cache folder under a regular file: the op runs, timed once, its result kept in memory."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path / "a_file" / "cache"))
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    monkeypatch.setenv("DFLASH_KERNELS_PACKAGED_TUNING", "0")
+    x, w = torch.randn(2, 384, 777, device="cuda"), torch.randn(384, 4, device="cuda")
+    dk.reset_cache()
+    with pytest.warns(dk.runtime.TuningCacheWarning, match="cannot write tuning results"):
+        y = dk.causal_conv1d(x, w)
+    assert {v["tuned_from"] for v in _conv_keys().values()} == {"timed"}
+    dk.reset_cache()
+    assert torch.equal(dk.causal_conv1d(x, w), y)
+    assert {v["tuned_from"] for v in _conv_keys().values()} == {"disk"}, "kept in memory, not timed again"
+    dk.reset_cache()
 
 
 def test_backend_selection_and_errors(monkeypatch):
@@ -247,19 +444,93 @@ def test_ship_keeps_the_entries_of_the_current_kernels(tmp_path):
     assert set(json.load(open(path))) == {"fwd|bbbb|(64,)", "impl_choice|v2|('fwd', 1)"}
 
 
-def test_the_shipped_tuning_files_name_known_kernels_and_configs():
-    files = [f for f in os.listdir(tuning.PACKAGED_DIR) if f.endswith(".json")]
-    assert files, "no tuning file ships with the package"
-    kernels = tuning.current_kernel_hashes()
-    for f in files:
-        assert f.startswith("tuning-") and "-triton" in f, f
-        table = json.load(open(os.path.join(tuning.PACKAGED_DIR, f)))
-        assert table, f
-        for entry, value in table.items():
-            name = entry.split("|")[0]
-            assert name in kernels, (f, entry)
-            config = value["config"]
-            assert isinstance(config, dict) and "num_warps" in config and value["ms"] > 0, (f, entry)
+def _unfindable_entries(table: dict, hashes: dict) -> list:
+    """``(entry, reason)`` for each entry of a tuning file that the runtime can never find or use: a kernel's
+    entry must be the key ``TritonKernel._persist_name`` builds at lookup, with the source hash of the kernel
+    as it is now compiled (``hashes``: ``{name: hash}``), constexprs the launcher passes (none of them tuned),
+    and a config among the kernel's candidates; an implementation choice's entry must name a ``Choice``."""
+    from dflash_kernels.runtime import choice
+
+    kernels = {k.name: k for k in all_kernels()}
+    choices = {c.name for c in list(choice._registry)}
+    found = []
+    for entry, value in table.items():
+        name, _, rest = entry.partition("|")
+        if name in choices:  # <name>|<version>|<key>: the CUDA extension's version is known where it is built
+            if not isinstance(value.get("impl"), str):
+                found.append((entry, f"no implementation named: {value!r}"))
+            continue
+        kernel = kernels.get(name)
+        if kernel is None:
+            found.append((entry, "no kernel or implementation choice of this name"))
+            continue
+        source, _, key = rest.partition("|")
+        if source != hashes.get(name):
+            found.append((entry, f"timed on kernel source {source}; the kernel's is now {hashes.get(name)}"))
+            continue
+        try:
+            bucket, constexprs, spec = (eval(part, {"__builtins__": {}, "torch": torch}) for part in key.split("|"))
+        except Exception as e:  # noqa: BLE001 - any unreadable key is a finding
+            found.append((entry, f"not a key of the form bucket|constexprs|spec: {e!r}"))
+            continue
+        rebuilt = kernel._persist_name((bucket, constexprs, spec, 0)).replace(
+            f"|{kernel._source_hash}|", f"|{source}|", 1)
+        tuned = {m for c in kernel.configs for m in c.meta}
+        if rebuilt != entry or not isinstance(bucket, tuple) or not isinstance(spec, tuple):
+            found.append((entry, "not the key the runtime builds"))
+        elif any(n not in kernel.constexpr_names or n in tuned for n, _ in constexprs):
+            found.append((entry, f"constexprs other than the kernel's untuned ones {kernel.constexpr_names}"))
+        elif value.get("config") not in [c.as_dict() for c in kernel.configs]:
+            found.append((entry, f"config {value.get('config')} is not one of the kernel's candidates"))
+        elif not isinstance(value.get("ms"), float) or not value["ms"] > 0:
+            found.append((entry, f"no timing: {value.get('ms')!r}"))
+    return found
+
+
+def _shipped_files():
+    """The packaged tuning files of the installed Triton (the only ones it reads)."""
+    import triton
+
+    names = sorted(f for f in os.listdir(tuning.PACKAGED_DIR) if f.endswith(".json"))
+    assert names, "no tuning file ships with the package"
+    assert all(f.startswith("tuning-") and "-triton" in f for f in names), names
+    ours = [f for f in names if f.endswith(f"-triton{triton.__version__}.json")]
+    if not ours:
+        pytest.skip(f"the shipped tuning files are for other Triton versions than {triton.__version__}: {names}")
+    return ours
+
+
+def test_every_shipped_tuning_entry_is_found_by_the_current_kernels():
+    """Each entry of the shipped files is one the runtime looks up for today's kernels: an entry timed on an
+    older source of its kernel (never found, so the kernel is timed again on a user's GPU) fails here. Remove
+    such entries, or re-time them and ship them with ``python -m dflash_kernels.runtime.tuning ship``."""
+    hashes = tuning.current_kernel_hashes()  # as compiled on a GPU, also under the interpreter
+    for f in _shipped_files():
+        table = tuning.read_table(os.path.join(tuning.PACKAGED_DIR, f))
+        assert table, f"{f}: damaged or empty"
+        stale = _unfindable_entries(table, hashes)
+        assert not stale, f"{f}: {len(stale)} of {len(table)} entries can never be used:\n" + "\n".join(
+            f"  {entry}: {reason}" for entry, reason in stale)
+
+
+def test_the_shipped_tuning_check_finds_entries_that_cannot_be_used():
+    """The check above, on a good shipped entry changed in each way that makes it unusable."""
+    hashes = tuning.current_kernel_hashes()
+    table = tuning.read_table(os.path.join(tuning.PACKAGED_DIR, _shipped_files()[0]))
+    entry, value = next(iter(table.items()))
+    name, source, bucket, constexprs, spec = entry.split("|")
+    assert _unfindable_entries({entry: value}, hashes) == []
+    bad = {
+        f"{name}|0000000000000000|{bucket}|{constexprs}|{spec}": value,  # an older kernel source
+        f"renamed_kernel|{source}|{bucket}|{constexprs}|{spec}": value,
+        f"{name}|{source}|{bucket}|{constexprs}": value,  # the spec missing: not the runtime's key
+        f"{name}|{source}|{bucket}|(('NOT_A_CONSTEXPR', 1),)|{spec}": value,
+        f"{name}|{source}|{bucket} |{constexprs}|{spec}": value,  # a key the runtime never writes
+        f"{name}|{source}|(1, 2, 3)|{constexprs}|{spec}": {**value, "config": {"num_warps": 3}},
+    }
+    found = dict(_unfindable_entries(bad, hashes))
+    assert set(found) == set(bad), {e: found.get(e) for e in bad}
+    assert "now " + hashes[name] in found[f"{name}|0000000000000000|{bucket}|{constexprs}|{spec}"]
 
 
 @pytest.mark.gpu
@@ -570,7 +841,7 @@ def _reference_calls(function):
         return torch.randn(*shape, generator=g)
     if function == "block_sparse_attention":
         from dflash_kernels.ops.attention import naive
-        return naive, "naive_block_sparse_attention", lambda: dk.block_sparse_attention(
+        return naive, "masked_block_sparse_attention", lambda: dk.block_sparse_attention(
             rand(1, 8, 2, 64), rand(1, 16, 1, 64), rand(1, 16, 1, 64),
             dk.dflash_block_mask(torch.tensor([[3, 7]]), 8, 4, kv_tile=16))
     if function.startswith("causal_conv1d"):
