@@ -55,15 +55,43 @@ def _names(op):
     return BUILTIN + tuple(entry["extra"]) + tuple(entry["peers"])
 
 
+def _check_can_run(op: str, name: str) -> None:
+    """Raise :class:`BackendUnavailable` when backend ``name`` of ``op`` cannot run in this process, whatever
+    the inputs' device (a missing extension or peer package, the interpreter's setting, no CUDA device)."""
+    entry = _ops[op]
+    if name == "interpret" and not settings.interpreting():
+        raise BackendUnavailable(f"{op}: backend 'interpret' needs TRITON_INTERPRET=1 set before "
+                                 f"dflash_kernels is imported")
+    if name == "triton":
+        if settings.interpreting():
+            raise BackendUnavailable(f"{op}: backend 'triton' is not available under TRITON_INTERPRET=1")
+        import torch
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(f"{op}: backend 'triton' needs a CUDA device, and torch sees none; "
+                                     f"use 'interpret' (with TRITON_INTERPRET=1) or 'reference' on the CPU")
+    if name in entry["extra"] and not entry["extra"][name]():
+        raise BackendUnavailable(f"{op}: backend {name!r} is not built in this installation "
+                                 f"(see dflash_kernels.backends())")
+    if name in entry["peers"] and not _peer_available(entry["peers"][name]):
+        raise BackendUnavailable(f"{op}: peer backend {name!r} needs the package "
+                                 f"{entry['peers'][name]!r}: pip install 'dflash_kernels[peers]'")
+
+
 def set_backend(op: str, name: str) -> None:
     """Run ``op`` with backend ``name`` from now on, in every thread.
 
     ``auto`` drops the override: the environment's choice applies again, else automatic selection.
+    Raises ``ValueError`` for an unknown op or backend name, and :class:`BackendUnavailable` (nothing
+    changed) when the backend cannot run in this process: an extension that is not built, a peer that is
+    not installed, ``interpret`` without ``TRITON_INTERPRET=1``, ``triton`` with no CUDA device. What
+    depends on the inputs (``triton`` given CPU tensors) is checked at the call.
     """
     if op not in _ops:
         raise ValueError(f"op: unknown op {op!r}; known ops: {sorted(_ops)}")
     if name not in _names(op):
         raise ValueError(f"name: unknown backend {name!r} for op {op!r}; choose one of {list(_names(op))}")
+    if name != "auto":
+        _check_can_run(op, name)
     with _lock:
         if name == "auto":
             _chosen.pop(op, None)
@@ -115,20 +143,9 @@ def resolve(op: str, device) -> str:
     if name == "triton" and not on_cuda:
         raise BackendUnavailable(f"{op}: backend 'triton' needs CUDA tensors, got device {device}; "
                                  f"use 'interpret' (with TRITON_INTERPRET=1) or 'reference' on the CPU")
-    if name == "interpret" and not settings.interpreting():
-        raise BackendUnavailable(f"{op}: backend 'interpret' needs TRITON_INTERPRET=1 set before "
-                                 f"dflash_kernels is imported")
-    if name == "triton" and settings.interpreting():
-        raise BackendUnavailable(f"{op}: backend 'triton' is not available under TRITON_INTERPRET=1")
-    if name in entry["extra"] and not entry["extra"][name]():
-        raise BackendUnavailable(f"{op}: backend {name!r} is not built in this installation "
-                                 f"(see dflash_kernels.backends())")
-    if name in entry["peers"]:
-        if not _peer_available(entry["peers"][name]):
-            raise BackendUnavailable(f"{op}: peer backend {name!r} needs the package "
-                                     f"{entry['peers'][name]!r}: pip install 'dflash_kernels[peers]'")
-        if not on_cuda:
-            raise BackendUnavailable(f"{op}: peer backend {name!r} needs CUDA tensors, got {device}")
+    _check_can_run(op, name)
+    if name in entry["peers"] and not on_cuda:
+        raise BackendUnavailable(f"{op}: peer backend {name!r} needs CUDA tensors, got {device}")
     return name
 
 

@@ -237,28 +237,26 @@ def test_auto_measures_and_persists(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------------- CPU: plumbing
 @pytest.mark.skipif(conv_cuda.available(), reason="the extension is built here")
-def test_forced_cuda_without_extension_is_a_clear_error():
+def test_forced_cuda_without_extension_is_a_clear_error(monkeypatch):
     x, weight = torch.randn(1, 8, 16), torch.randn(8, 4)
-    dk.set_backend("conv1d", "cuda")
-    try:
-        with pytest.raises(dk.BackendUnavailable, match="'cuda' is not built"):
-            dk.causal_conv1d(x, weight, activation="silu")
-        with pytest.raises(dk.BackendUnavailable, match="'cuda' is not built"):
-            dk.causal_conv1d_update(x[:, :, 0], torch.zeros(1, 8, 3), weight)
-    finally:
-        dk.set_backend("conv1d", "auto")
+    # set_backend refuses at once, the setting unchanged
+    with pytest.raises(dk.BackendUnavailable, match="'cuda' is not built"):
+        dk.set_backend("conv1d", "cuda")
+    assert dk.get_backend("conv1d") == "auto"
+    # chosen through the environment: each call says so
+    monkeypatch.setenv("DFLASH_KERNELS_BACKEND", "conv1d=cuda")
+    with pytest.raises(dk.BackendUnavailable, match="'cuda' is not built"):
+        dk.causal_conv1d(x, weight, activation="silu")
+    with pytest.raises(dk.BackendUnavailable, match="'cuda' is not built"):
+        dk.causal_conv1d_update(x[:, :, 0], torch.zeros(1, 8, 3), weight)
     # The launchers themselves name the missing module and how to build it.
     with pytest.raises(dk.BackendUnavailable, match=r"dflash_kernels\._C.*no-build-isolation"):
         conv_cuda.cuda_causal_conv1d_fwd(x, weight, None, None, None, True, False)
     # The library's launchers obey a forced "cuda" too: no silent Triton run.
-    dk.set_backend("conv1d", "cuda")
-    try:
-        for call in (lambda: conv_mod.causal_conv1d_fwd(x, weight, None, None, None, True, False),
-                     lambda: conv_mod.causal_conv1d_update_fwd(x, torch.zeros(1, 8, 3), weight, None, False)):
-            with pytest.raises(dk.BackendUnavailable, match=r"dflash_kernels\._C"):
-                call()
-    finally:
-        dk.set_backend("conv1d", "auto")
+    for call in (lambda: conv_mod.causal_conv1d_fwd(x, weight, None, None, None, True, False),
+                 lambda: conv_mod.causal_conv1d_update_fwd(x, torch.zeros(1, 8, 3), weight, None, False)):
+        with pytest.raises(dk.BackendUnavailable, match=r"dflash_kernels\._C"):
+            call()
 
 
 def test_backends_lists_cuda_only_when_built(monkeypatch):
@@ -281,6 +279,7 @@ def test_launchers_route_by_backend(monkeypatch):
         calls.append("cuda")
     x = torch.randn(1, 4, 8)
     args = (x, torch.randn(4, 4), None, None, None, False, False)
+    monkeypatch.setitem(backends._ops["conv1d"]["extra"], "cuda", lambda: True)  # set_backend("cuda") accepted
     try:
         for backend in ("cuda", "interpret", "auto"):  # "auto" with a CPU input: never timed
             dk.set_backend("conv1d", backend)

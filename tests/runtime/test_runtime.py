@@ -364,9 +364,13 @@ def test_backend_selection_and_errors(monkeypatch):
     with pytest.raises(ValueError, match="op: unknown op 'conv2d'"):
         dk.set_backend("conv2d", "triton")
     try:
-        dk.set_backend("conv1d", "triton")
-        with pytest.raises(dk.BackendUnavailable, match="'triton'"):
-            dk.causal_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4))
+        if torch.cuda.is_available() and not dk.runtime.interpreting():
+            dk.set_backend("conv1d", "triton")  # runs here, but not on CPU tensors: refused at the call
+            with pytest.raises(dk.BackendUnavailable, match="'triton' needs CUDA tensors"):
+                dk.causal_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4))
+        else:
+            with pytest.raises(dk.BackendUnavailable, match="'triton'"):
+                dk.set_backend("conv1d", "triton")
         dk.set_backend("conv1d", "reference")
         assert backends.resolve("conv1d", cpu) == "reference"
         y = dk.causal_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4))
@@ -809,6 +813,36 @@ def test_op_calls_the_implementation_of_the_resolved_backend(private_registry):
     for bad in ("nope", "auto"):
         with pytest.raises(ValueError, match=f"names: '{bad}' is not a backend of op 'toy'"):
             op.impl(bad)
+
+
+def test_set_backend_refuses_a_backend_that_cannot_run_here(monkeypatch):
+    """set_backend checks what does not depend on the inputs (an unbuilt extension, a missing peer, the
+    interpreter's setting, no CUDA device) and leaves the setting unchanged when it refuses."""
+    from dflash_kernels.ops.conv1d import cuda as conv_cuda
+    from dflash_kernels.runtime import backends as be
+    before = dk.get_backend("conv1d")
+    monkeypatch.setattr(be, "_ops", dict(be._ops))
+    be._ops["conv1d"] = dict(be._ops["conv1d"], extra={"cuda": lambda: False})
+    with pytest.raises(dk.BackendUnavailable, match="conv1d: backend 'cuda' is not built"):
+        dk.set_backend("conv1d", "cuda")
+    assert dk.get_backend("conv1d") == before
+    be._ops["conv1d"] = dict(be._ops["conv1d"], peers={"causal_conv1d": "no_such_module_here"})
+    with pytest.raises(dk.BackendUnavailable, match="peer backend 'causal_conv1d' needs the package"):
+        dk.set_backend("conv1d", "causal_conv1d")
+    if dk.runtime.interpreting():
+        with pytest.raises(dk.BackendUnavailable, match="'triton' is not available under TRITON_INTERPRET=1"):
+            dk.set_backend("conv1d", "triton")
+    else:
+        with pytest.raises(dk.BackendUnavailable, match="'interpret' needs TRITON_INTERPRET=1"):
+            dk.set_backend("conv1d", "interpret")
+    if not torch.cuda.is_available() and not dk.runtime.interpreting():
+        with pytest.raises(dk.BackendUnavailable, match="'triton' needs a CUDA device"):
+            dk.set_backend("conv1d", "triton")
+    assert dk.get_backend("conv1d") == before
+    if not conv_cuda.available():  # the real registry: this build has no extension
+        monkeypatch.undo()
+        with pytest.raises(dk.BackendUnavailable, match="conv1d: backend 'cuda' is not built"):
+            dk.set_backend("conv1d", "cuda")
 
 
 def _public_ops():
