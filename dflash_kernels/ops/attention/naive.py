@@ -119,8 +119,11 @@ class _MaskedAttention(torch.autograd.Function):
         return o, lse.squeeze(-1)
 
     @staticmethod
+    @torch.autocast("cuda", enabled=False)
+    @torch.autocast("cpu", enabled=False)
     def backward(ctx, do, _dlse):
         q, k, v, vis, p = ctx.saved_tensors
+        do = do.float()
         vis_t, p_t = vis.transpose(-1, -2), p.transpose(-1, -2)
         dv = _contract(p_t, do, vis_t)
         dp = torch.where(vis, torch.matmul(do, v.transpose(-1, -2)), 0.0)
@@ -144,6 +147,7 @@ def masked_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, re
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
     vf = v.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
-    o, lse = _MaskedAttention.apply(qf, kf, vf, vis, scale)
+    with torch.autocast(q.device.type, enabled=False):  # fp32 math, also inside an autocast region
+        o, lse = _MaskedAttention.apply(qf, kf, vf, vis, scale)
     o = o.transpose(1, 2).to(q.dtype)
     return (o, lse) if return_lse else o
