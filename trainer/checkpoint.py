@@ -8,7 +8,9 @@ half-way leaves its temporary file behind: :func:`remove_stale_temporaries` dele
 Reading is always to the CPU (:func:`read_checkpoint`); :func:`restore` then copies the states into
 the given model(s), optimizer(s) and scheduler(s), wherever their parameters live, and restores the
 RNG states from CPU tensors (``torch.set_rng_state`` and ``torch.cuda.set_rng_state`` take CPU
-ByteTensors only).
+ByteTensors only). The optimizer's settings (lr, betas, eps, weight decay, how it steps) and the schedule
+stay the resuming run's own; a checkpoint holds no device-specific optimizer state (float learning rates,
+no ``capturable``, step counts on the CPU), so a GPU run's checkpoint resumes on the CPU and the other way.
 """
 
 import copy
@@ -67,16 +69,23 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _host_lr(state: dict) -> dict:
-    """An optimizer's or scheduler's state dict with learning rates held as device tensors (the drafter's
-    step as CUDA graphs, ``trainer.step_graph``) as floats: the checkpoint reads the same whichever way
-    the run stepped (a new dict; the live optimizer keeps its tensors)."""
+def _portable(state: dict) -> dict:
+    """An optimizer's or scheduler's state dict as any device reads it back: learning rates held as device
+    tensors (the drafter's step as CUDA graphs, ``trainer.step_graph``) as floats, ``capturable`` off, and
+    the step counts as float32 CPU scalars (the capturable step keeps them on the device). A new dict: the
+    live optimizer keeps its tensors and settings. Which of these a resumed run uses is its own affair
+    (:func:`restore`): a checkpoint of a step-graph run resumes on the CPU, a CPU run's into step graphs."""
     def host(v):
         return float(v) if isinstance(v, torch.Tensor) else v
 
     state = dict(state)
     if "param_groups" in state:
-        state["param_groups"] = [{**g, "lr": host(g["lr"])} if "lr" in g else g for g in state["param_groups"]]
+        state["param_groups"] = [{**g, **({"lr": host(g["lr"])} if "lr" in g else {}),
+                                  **({"capturable": False} if "capturable" in g else {})}
+                                 for g in state["param_groups"]]
+    if "state" in state:
+        state["state"] = {k: ({**v, "step": torch.as_tensor(v["step"]).detach().to("cpu", torch.float32).reshape(())}
+                              if isinstance(v, dict) and "step" in v else v) for k, v in state["state"].items()}
     if "_last_lr" in state:
         state["_last_lr"] = [host(v) for v in state["_last_lr"]]
     return state
@@ -86,8 +95,8 @@ def save_checkpoint(path: str, *, model, optimizer, scheduler, step: int, config
     """Write ``{model, optimizer, scheduler, step, config, rng, extra}`` to ``path`` atomically."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    ckpt = {"model": model.state_dict(), "optimizer": _host_lr(optimizer.state_dict()),
-            "scheduler": _host_lr(scheduler.state_dict()), "step": step, "config": config, "rng": rng_state(),
+    ckpt = {"model": model.state_dict(), "optimizer": _portable(optimizer.state_dict()),
+            "scheduler": _portable(scheduler.state_dict()), "step": step, "config": config, "rng": rng_state(),
             "extra": extra or {}}
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
@@ -137,9 +146,34 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _settings(opt) -> list:
+    """Each group's settings (everything but its parameters): lr, betas, eps, weight decay, and how it steps
+    (``fused``, ``foreach``, ``capturable``) as this run built it."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _place_step_counts(opt) -> None:
+    """Each parameter's step count where its group's settings want it: on the parameter's device as float32
+    for torch's fused or capturable AdamW and MasterAdamW's capturable mode, else on the CPU (a checkpoint
+    holds them on the CPU; ``load_state_dict`` placed them by the saved groups' settings, not this run's)."""
+    for g in opt.param_groups:
+        on_device = bool(g.get("fused")) or bool(g.get("capturable"))
+        for p in g["params"]:
+            st = opt.state.get(p)
+            if st and isinstance(st.get("step"), torch.Tensor):
+                st["step"] = st["step"].to(p.device if on_device else "cpu", torch.float32)
+
+
 def restore(ckpt: dict, *, model, optimizer, scheduler, path: str = "checkpoint") -> int:
     """Load a checkpoint dict into one model / optimizer / scheduler, or into lists of them (replicas),
     and restore the RNG states; returns the checkpoint's step.
+
+    The checkpoint supplies the weights, the optimizer's moments and step counts, and the position in the
+    schedule (``last_epoch``). The optimizer's settings (lr, betas, eps, weight decay, fused / capturable) and
+    the schedule (its base lr and lambda) stay those the optimizer and scheduler were built with, i.e. this
+    run's config: a resume with ``--allow-config-change`` (or a longer ``steps``) trains with the new values
+    from the saved step on, and the group's lr is the new schedule's at that step. With an unchanged config
+    the values are the saved ones, bit for bit.
 
     Each of several optimizers gets a private copy of the saved state: ``load_state_dict`` keeps
     tensors that are already on the right device, and replicas sharing AdamW moments would update
@@ -149,12 +183,22 @@ def restore(ckpt: dict, *, model, optimizer, scheduler, path: str = "checkpoint"
     if not len(models) == len(opts) == len(scheds):
         raise ValueError(f"restore: {len(models)} models, {len(opts)} optimizers, {len(scheds)} schedulers")
     for m, opt, sched in zip(models, opts, scheds):
+        settings, base_lrs = _settings(opt), list(sched.base_lrs)
         try:
             m.load_state_dict(ckpt["model"])
             opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]) if len(opts) > 1 else ckpt["optimizer"])
         except (RuntimeError, ValueError, KeyError) as e:
             raise CheckpointError(f"checkpoint: {path} does not fit this drafter: {type(e).__name__}: {e}") from e
         sched.load_state_dict(ckpt["scheduler"])
+        for g, own in zip(opt.param_groups, settings):
+            g.update(own)
+        _place_step_counts(opt)
+        sched.base_lrs = base_lrs
+        if isinstance(sched, torch.optim.lr_scheduler.LambdaLR):  # the lr LambdaLR.step would have set
+            lrs = [b * f(sched.last_epoch) for b, f in zip(sched.base_lrs, sched.lr_lambdas)]
+            for g, lr in zip(opt.param_groups, lrs):
+                g["lr"] = lr
+            sched._last_lr = lrs
     set_rng_state(ckpt["rng"])
     return int(ckpt["step"])
 

@@ -13,8 +13,8 @@ from trainer.flops import PEAK_BF16_FLOPS, mfu
 from trainer.model import DFlashDrafter, DrafterConfig
 from trainer.target import Target
 
-__all__ = ["resolve_paths", "resolve_device", "build_drafter", "lr_lambda", "peak_mem_gib", "fmt_eta",
-           "step_log_line"]
+__all__ = ["resolve_paths", "resolve_device", "build_drafter", "lr_lambda", "current_lr", "optimizer_summary",
+           "peak_mem_gib", "fmt_eta", "step_log_line"]
 
 
 def resolve_paths(cfg: TrainConfig, log=print) -> TrainConfig:
@@ -77,6 +77,15 @@ def current_lr(sched) -> float:
     if not isinstance(lr, torch.Tensor):
         return lr
     return float(sched.base_lrs[0] * sched.lr_lambdas[0](sched.last_epoch))
+
+
+def optimizer_summary(sched) -> str:
+    """What the optimizer behind ``sched`` trains with, read from it (a resume logs it: the values the run
+    really uses, the config's after ``--allow-config-change``): the schedule's peak lr and its lr now, the
+    first group's betas, eps and weight decay."""
+    g = sched.optimizer.param_groups[0]
+    return (f"lr {sched.base_lrs[0]:g} (now {current_lr(sched):.3g}), betas {tuple(g['betas'])}, eps {g['eps']:g}, "
+            f"weight decay {g['weight_decay']:g}")
 
 
 def peak_mem_gib(dev) -> float:

@@ -13,6 +13,7 @@ keep the fp32 masters (``model.state_dict()`` unchanged); after loading one, :me
 import torch
 
 from dflash_kernels.ops.adamw import fused_adamw_
+from trainer.config import check_betas
 
 __all__ = ["ComputeWeights", "MasterAdamW", "make_optimizer"]
 
@@ -61,7 +62,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, compute_weights: ComputeWeights = None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, capturable: bool = False):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        super().__init__(params, dict(lr=lr, betas=check_betas(betas), eps=eps, weight_decay=weight_decay,
                                       capturable=capturable))
         self.compute_weights = compute_weights
         self.grad_scale = None

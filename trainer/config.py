@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["TrainConfig", "PRESETS", "preset", "default_target_layer_ids", "add_cli_args", "from_cli"]
+__all__ = ["TrainConfig", "PRESETS", "preset", "default_target_layer_ids", "add_cli_args", "from_cli", "check_betas"]
 
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash_trainer")
 
@@ -18,6 +18,21 @@ DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser
 LOSS_PATHS = ("fused", "logits", "chunked")  # TrainConfig.loss
 COMPUTE_WEIGHTS = ("auto", "autocast", "copies")  # TrainConfig.compute_weights
 TARGET_GRAPHS = ("auto", "on", "off")  # TrainConfig.target_cuda_graphs and step_cuda_graphs
+
+
+def check_betas(betas, name: str = "betas") -> tuple:
+    """``betas`` as a tuple of two numbers, each in [0, 1) as torch's AdamW requires (beta1 = 1 divides by a
+    zero bias correction, beta2 = 1 makes every parameter NaN); ValueError naming ``name`` and the value else."""
+    try:
+        values = tuple(betas)
+    except TypeError:
+        raise ValueError(f"{name}: expected two numbers, got {betas!r}") from None
+    if len(values) != 2:
+        raise ValueError(f"{name}: expected two numbers, got {values!r}")
+    for i, b in enumerate(values):
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0 <= b < 1:
+            raise ValueError(f"{name}[{i}]: expected a number in [0, 1), got {b!r}")
+    return values
 
 
 def _graphs_on(setting: str, auto: bool) -> bool:
@@ -112,6 +127,7 @@ class TrainConfig:
             raise ValueError(f"compute_weights: expected one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
         if self.loss not in LOSS_PATHS:
             raise ValueError(f"loss: unknown {self.loss!r}; choose one of {list(LOSS_PATHS)}")
+        self.betas = check_betas(self.betas)
 
     def compute_weights_for(self, device, dtype, pipeline: bool = False) -> str:
         """"autocast" or "copies" for a drafter on ``device`` in ``dtype`` (``pipeline``: trainer.pipeline,

@@ -49,7 +49,7 @@ import torch
 
 import dflash_kernels as dk
 from trainer.checkpoint import CHECKPOINT_NAME, read_checkpoint, restore, save_checkpoint
-from trainer.common import build_drafter, lr_lambda, resolve_paths, step_log_line
+from trainer.common import build_drafter, lr_lambda, optimizer_summary, resolve_paths, step_log_line
 from trainer.config import TrainConfig, dump
 from trainer.data import batch_at, load_jsonl, steps_per_epoch
 from trainer.distributed import Dist, init_distributed
@@ -444,7 +444,7 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overw
             if was is not None and was != R.world:
                 log(f"resume: WARNING: the checkpoint was written with {was} micro-batches per step, this run has "
                     f"{R.world}; the data order differs from an uninterrupted run")
-            log(f"resume: from step {R.start} of {R.resume_from}")
+            log(f"resume: from step {R.start} of {R.resume_from}; optimizer: {optimizer_summary(R.scheds[0])}")
         R.step = R.start
         if R.dist.enabled:  # every process starts from rank 0's weights, whatever its RNG did
             buf = torch.cat([p.detach().reshape(-1) for p in R.replicas[0].parameters()]).to(R.dist.device)

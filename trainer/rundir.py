@@ -2,12 +2,14 @@
 
 - A new run into a folder that holds an earlier run (its ``checkpoint.pt``, or a non-empty
   ``metrics.jsonl``) refuses, unless told ``--resume`` (continue it) or ``--overwrite`` (start over:
-  the old checkpoint is deleted, the old ``metrics.jsonl`` is kept as ``metrics.replaced-<n>.jsonl``).
+  the old checkpoint and ``drafter/`` folder are deleted at once, the old ``metrics.jsonl`` is kept as
+  ``metrics.replaced-<n>.jsonl``). A resume without a checkpoint refuses too.
 - Temporary files of saves that never finished (a process killed mid-save) are deleted at start.
 - A resume compares the config saved in the checkpoint with the new one and refuses a change, naming
   the fields, unless told ``--allow-config-change``; the fields in :data:`RESUME_MAY_CHANGE` (where
   and how often things are written, the hardware layout, supervision limits, the run's length) may
-  change without it.
+  change without it. Either way the run trains with the new config from the saved step on (the optimizer's
+  settings and schedule included: ``trainer.checkpoint.restore``).
 - ``metrics.jsonl`` on resume keeps the lines up to the checkpoint's step (one trajectory; the later
   steps are trained again) and says how many it dropped; a line cut short by a kill is skipped.
 """
@@ -16,6 +18,7 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 
 from trainer.checkpoint import CHECKPOINT_NAME, remove_stale_temporaries
 from trainer.config import TrainConfig
@@ -60,8 +63,8 @@ def prepare_run_dir(out_dir: str, *, resume: bool, overwrite: bool = False, log=
     """Make ``out_dir`` ready for this run; returns the checkpoint path to resume from, or None.
 
     ``modify=False`` (the non-main ranks of a multi-process run) checks without deleting or moving files.
-    Raises :class:`RunDirError` for a new run over an earlier one without ``overwrite``, and
-    FileNotFoundError for a resume without a checkpoint.
+    Raises :class:`RunDirError` for a new run over an earlier one without ``overwrite``, and for a resume
+    without a checkpoint.
     """
     if resume and overwrite:
         raise ValueError("--resume and --overwrite: choose one (continue the run in OUT_DIR, or start over)")
@@ -77,17 +80,16 @@ def prepare_run_dir(out_dir: str, *, resume: bool, overwrite: bool = False, log=
             log(f"run folder: removed {tmp}, left by a save that never finished")
     if resume:
         if not os.path.exists(ckpt):
-            raise FileNotFoundError(f"--resume: no checkpoint at {ckpt}")
+            raise RunDirError(f"--resume: no checkpoint at {ckpt}: nothing to continue; start a new run (without "
+                              f"--resume), or name the folder of the run to continue with --out-dir")
         return ckpt
     found = [p for p in (ckpt, metrics) if (os.path.exists(p) if p == ckpt else _nonempty(p))]
-    if not found:
-        return None
-    names = ", ".join(os.path.basename(p) for p in found)
-    if not overwrite:
+    if found and not overwrite:
+        names = ", ".join(os.path.basename(p) for p in found)
         raise RunDirError(f"out_dir: {out_dir} holds an earlier run ({names}): pass --resume to continue it, or "
-                          f"--overwrite to start a new run there (its checkpoint is deleted, its metrics.jsonl kept "
-                          f"as metrics.replaced-<n>.jsonl), or choose another --out-dir")
-    if modify:
+                          f"--overwrite to start a new run there (its checkpoint and drafter folder are deleted, its "
+                          f"metrics.jsonl kept as metrics.replaced-<n>.jsonl), or choose another --out-dir")
+    if overwrite and modify:
         if _nonempty(metrics):
             dest = _free_name(out_dir)
             os.replace(metrics, dest)
@@ -95,6 +97,15 @@ def prepare_run_dir(out_dir: str, *, resume: bool, overwrite: bool = False, log=
         if os.path.exists(ckpt):
             os.remove(ckpt)
             log(f"--overwrite: deleted the earlier run's checkpoint {ckpt}")
+        # the drafter folder is the checkpoint's weights again: gone with it, not left beside the new run's
+        # files until its first save
+        drafter = os.path.join(out_dir, DRAFTER_DIR)
+        if os.path.lexists(drafter):
+            if os.path.isdir(drafter) and not os.path.islink(drafter):
+                shutil.rmtree(drafter)
+            else:  # a link (never what it points to) or a file
+                os.remove(drafter)
+            log(f"--overwrite: deleted the earlier run's drafter folder {drafter}")
     return None
 
 
@@ -141,7 +152,8 @@ def check_resume_config(saved: dict, new: dict, *, allow_change: bool = False, p
             f"values, or pass --allow-config-change to continue with the new ones. (Fields a resume may change "
             f"without it: {', '.join(sorted(RESUME_MAY_CHANGE))}.)")
     if fixed:
-        log(f"resume: WARNING: continuing with a changed config (--allow-config-change): {_describe(fixed)}")
+        log(f"resume: WARNING: continuing with a changed config (--allow-config-change; the new values, the "
+            f"optimizer's and the schedule's included, apply from the saved step on): {_describe(fixed)}")
     return changes
 
 

@@ -43,8 +43,8 @@ import torch  # noqa: E402
 import dflash_kernels as dk  # noqa: E402
 from trainer.checkpoint import (CHECKPOINT_NAME, CheckpointError, read_checkpoint, restore,  # noqa: E402
                                 save_checkpoint)
-from trainer.common import (build_drafter, current_lr, lr_lambda, resolve_device, resolve_paths,  # noqa: E402
-                            step_log_line)
+from trainer.common import (build_drafter, current_lr, lr_lambda, optimizer_summary, resolve_device,  # noqa: E402
+                            resolve_paths, step_log_line)
 from trainer.compute_weights import make_optimizer  # noqa: E402
 from trainer.config import TrainConfig, add_cli_args, from_cli  # noqa: E402
 from trainer.data import batch_at, load_jsonl, steps_per_epoch  # noqa: E402
@@ -118,7 +118,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         if cw is not None:
             cw.refresh(drafter)
         saved = None  # the CPU copy of every state is not needed any more
-        log(f"resume: from step {step} of {resume_from}")
+        log(f"resume: from step {step} of {resume_from}; optimizer: {optimizer_summary(sched)}")
     log(f"drafter: {n_params / 1e6:.2f}M trainable parameters, {cfg.num_layers} layers; {len(ds)} sequences, "
         f"{total} steps on {dev} ({dtype}); weights: "
         + (f"{cw.dtype} copies written by the optimizer step" if cw is not None else "fp32, cast by autocast"))
@@ -216,9 +216,11 @@ def add_run_flags(p: argparse.ArgumentParser) -> None:
     """The flags that say how this invocation treats OUT_DIR (not part of the saved config)."""
     p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
     p.add_argument("--overwrite", action="store_true", help="start a new run in an OUT_DIR that holds an earlier "
-                   "one: its checkpoint is deleted, its metrics.jsonl kept as metrics.replaced-<n>.jsonl")
+                   "one: its checkpoint and drafter folder are deleted at once, its metrics.jsonl kept as "
+                   "metrics.replaced-<n>.jsonl")
     p.add_argument("--allow-config-change", action="store_true", help="resume although the config differs from "
-                   "the checkpoint's in fields that decide what is trained (the differences are logged)")
+                   "the checkpoint's in fields that decide what is trained: the new values (the optimizer's and the "
+                   "schedule's included) apply from the saved step on, and the differences are logged")
 
 
 def _single_process(cfg: TrainConfig, args) -> None:
@@ -246,7 +248,10 @@ def main(argv=None):
     p.add_argument("--log-file", default=None, help="the run log (default OUT_DIR/train.log, "
                    "train.rank<R>.log under torchrun)")
     args = p.parse_args(argv)
-    cfg = from_cli(args)
+    try:
+        cfg = from_cli(args)
+    except ValueError as e:  # a field's value the config refuses (it names the field): a usage error
+        p.error(str(e))
     if args.preflight or cfg.target_gpus or cfg.drafter_gpus:
         from trainer.pipeline import cli
 

@@ -105,14 +105,68 @@ def test_learning_rate_and_step_on_the_device():
         assert rel_err(a, b) < 1e-7
 
 
-def test_tuning_restores_what_the_step_updates():
-    """The kernel updates p, m, v (and the compute copy) in place: the tuner, which launches each candidate
-    many times on the real tensors, must put them back (on the GPU, where tuning runs, the tests above
-    failed with parameters ~17x off before it did; the interpreter never tunes)."""
-    from dflash_kernels.ops.adamw.kernels import adamw_kernel
+@pytest.fixture
+def tuning_forced(monkeypatch, tmp_path):
+    """The adamw kernel's next launch is tuned: a fresh tuning file, no packaged results, an empty cache for
+    the kernel. Under the interpreter (which never tunes) the runtime's own tuning path is run all the same:
+    the kernel counts as compiled, each candidate's launcher is the interpreter's, and ``do_bench`` launches its
+    trial a few times instead of timing it. Yields the list of configs the tuner tried."""
+    import contextlib
+    import types
 
-    restored = {adamw_kernel.runtime_names[i] for i in adamw_kernel._restore_idx}
-    assert restored == {"p_ptr", "m_ptr", "v_ptr", "out_ptr"}
+    import triton
+
+    from dflash_kernels.ops.adamw.kernels import adamw_kernel as k
+    from dflash_kernels.runtime.kernel import TritonKernel
+
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DFLASH_KERNELS_PACKAGED_TUNING", "0")
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    tried = []
+    if k.interpreted:
+        interp = types.SimpleNamespace(interpreted=True, fn=k.fn, constexpr_names=k.constexpr_names)
+
+        def build(config, meta, args, dev):
+            tried.append(config)
+            return TritonKernel._build_launcher(interp, config, meta, args, dev)
+
+        def bench(fn, warmup=None, rep=None, return_mode=None):
+            for _ in range(3):
+                fn()
+            return float(len(tried))  # the first candidate "fastest"
+
+        monkeypatch.setattr(k, "interpreted", False)
+        monkeypatch.setattr(k, "_build_launcher", build)
+        monkeypatch.setattr(triton.testing, "do_bench", bench)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    k.reset()
+    yield k
+    k.reset()  # later tests get the kernel's usual entries
+
+
+def test_tuning_restores_what_the_step_updates(tuning_forced):
+    """The kernel updates the parameter, the moments and the compute copy in place, and the tuner launches every
+    candidate many times on the real tensors: it must put them back, so that the call that tuned is still
+    exactly one step (parameters, moments and the bf16 copy as the reference's one step)."""
+    k = tuning_forced
+    dev = device()
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randn(37, 129, generator=g).to(dev), torch.randn(5000, generator=g).to(dev)]
+    gs = [torch.randn(37, 129, generator=g).to(dev, torch.bfloat16), torch.randn(5000, generator=g).to(dev)]
+    ms = [torch.randn(p.shape, generator=g).mul(0.1).to(dev) for p in ps]  # a later step: moments not zero
+    vs = [torch.rand(p.shape, generator=g).mul(0.01).to(dev) for p in ps]
+    cs = [torch.full((37, 129), float("nan"), device=dev, dtype=torch.bfloat16), None]
+    ref = [copy.deepcopy(x) for x in (ps, ms, vs)]
+    scale = torch.full((1,), 2.0, device=dev)
+    fused_adamw_(ps, gs, ms, vs, lr=1e-2, step=3, weight_decay=0.1, grad_scale=scale, compute_copies=cs)
+    naive_adamw_(*ref[:1], [x.float() / 2 for x in gs], *ref[1:], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=0.1, step=3)
+    info = k.cache_info()
+    assert info and {e["tuned_from"] for e in info.values()} == {"timed"}, info  # the tuner ran
+    for got, want in zip(ps + ms + vs, ref[0] + ref[1] + ref[2]):
+        assert rel_err(got, want) < 1e-6
+    assert bool(((cs[0].float() - ps[0]).abs() <= ps[0].abs() * 2.0 ** -7).all())  # within a bf16 ulp
 
 
 def _real_step(device_hparams, dev):
@@ -188,6 +242,11 @@ BAD = [
     (lambda a: dict(a, exp_avgs=[]), ValueError, "exp_avgs: expected 1 tensors"),
     (lambda a: dict(a, lr=float("nan")), ValueError, "lr: expected a finite number"),
     (lambda a: dict(a, beta1=1.5), ValueError, "beta1: expected a finite number in"),
+    # torch's AdamW refuses beta >= 1 too: beta1 = 1 divides by a zero bias correction, beta2 = 1 makes every
+    # parameter NaN
+    (lambda a: dict(a, beta1=1.0), ValueError, r"beta1: expected a finite number in \[0, 1\), got 1.0"),
+    (lambda a: dict(a, beta2=1.0), ValueError, r"beta2: expected a finite number in \[0, 1\), got 1.0"),
+    (lambda a: dict(a, beta2=-0.5), ValueError, r"beta2: expected a finite number in \[0, 1\), got -0.5"),
     (lambda a: dict(a, step=0), ValueError, "step: expected an int >= 1"),
     (lambda a: dict(a, grad_scale=torch.ones(2)), ValueError, "grad_scale: expected a one-element"),
     (lambda a: dict(a, lr=torch.ones(2)), ValueError, r"lr: expected a number or a one-element float tensor, got "
@@ -202,7 +261,7 @@ BAD = [
 def test_bad_input(change, exc, match):
     p = torch.randn(4, 6)
     a = change(dict(params=[p], grads=[torch.randn(4, 6)], exp_avgs=[torch.zeros(4, 6)],
-                    exp_avg_sqs=[torch.zeros(4, 6)], lr=1e-3, beta1=0.9, step=1, grad_scale=None))
+                    exp_avg_sqs=[torch.zeros(4, 6)], lr=1e-3, beta1=0.9, beta2=0.999, step=1, grad_scale=None))
     with pytest.raises(exc, match=match):
         fused_adamw_(a["params"], a["grads"], a["exp_avgs"], a["exp_avg_sqs"], lr=a["lr"], beta1=a["beta1"],
-                     step=a["step"], grad_scale=a["grad_scale"])
+                     beta2=a["beta2"], step=a["step"], grad_scale=a["grad_scale"])

@@ -184,6 +184,18 @@ def test_bad_hyperparameters_name_the_argument(bad):
         _run(model, opt, None, steps=1)
 
 
+@pytest.mark.parametrize("betas,match", [((0.9, 1.0), r"betas\[1\]: expected a number in \[0, 1\), got 1.0"),
+                                         ((1.0, 0.999), r"betas\[0\]: expected a number in \[0, 1\), got 1.0"),
+                                         ((-0.1, 0.999), r"betas\[0\]: expected a number in \[0, 1\), got -0.1"),
+                                         ((0.9,), r"betas: expected two numbers, got \(0.9,\)")],
+                         ids=["beta2_one", "beta1_one", "beta1_negative", "one_beta"])
+def test_betas_outside_0_1_are_refused_at_construction(betas, match):
+    """As torch's AdamW: beta2 = 1 would make every parameter NaN, beta1 = 1 divide by a zero bias correction."""
+    model = Toy()
+    with pytest.raises(ValueError, match=match):
+        MasterAdamW(model.parameters(), ComputeWeights(model), lr=1e-3, betas=betas)
+
+
 def test_the_drafter_trains_the_same_with_copies(tmp_path, tiny_qwen3_dir, counting_data, adamw_reference):
     """trainer.train at the tiny preset in bf16 on the CPU: compute_weights="copies" (the drafter's forward
     through functional_call with the bf16 leaves, MasterAdamW) against "autocast": the same losses and

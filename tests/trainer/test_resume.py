@@ -162,6 +162,75 @@ def test_cli_refuses_a_changed_config(tmp_path, tiny_qwen3_dir, counting_data):
     assert ckpt_step(tmp_path) == 4
 
 
+def test_allow_config_change_trains_with_the_new_optimizer_settings(tmp_path, tiny_qwen3_dir, counting_data,
+                                                                    monkeypatch):
+    """--allow-config-change applies the new lr, betas, weight decay and schedule from the resumed step on
+    (the moments and step counts are the checkpoint's): the steps take them, the log line says them and the
+    next checkpoint records them."""
+    import trainer.train as train_mod
+    from trainer.common import lr_lambda
+
+    out = tmp_path / "run"
+    train(tiny(tiny_qwen3_dir, counting_data, out, steps=6), log=quiet, stop_after=2)
+    taken = []  # the first group's settings as each step after the resume takes them
+    real_call = train_mod.DrafterStep.__call__
+
+    def spy(self, batch, feats):
+        g = self.opt.param_groups[0]
+        taken.append((float(g["lr"]), tuple(g["betas"]), g["weight_decay"]))
+        return real_call(self, batch, feats)
+
+    monkeypatch.setattr(train_mod.DrafterStep, "__call__", spy)
+    logged = []
+    hist = train(tiny(tiny_qwen3_dir, counting_data, out, steps=6, lr=1e-3, betas=(0.8, 0.9), weight_decay=0.05,
+                      warmup_ratio=0.5), resume=True, log=logged.append, allow_config_change=True, stop_after=4)
+    f = lr_lambda(6, 0.5, 0.0)  # the new schedule: 3 warm-up steps, then cosine
+    assert taken == [(1e-3 * f(2), (0.8, 0.9), 0.05), (1e-3 * f(3), (0.8, 0.9), 0.05)]
+    assert [r["lr"] for r in hist[2:]] == [1e-3 * f(3), 1e-3 * f(4)]
+    line = [s for s in logged if s.startswith("resume: from step 2")]
+    assert len(line) == 1 and "lr 0.001" in line[0] and "betas (0.8, 0.9)" in line[0] and \
+        "weight decay 0.05" in line[0], logged
+    ck = torch.load(out / "checkpoint.pt", weights_only=False)
+    g = ck["optimizer"]["param_groups"][0]
+    assert (g["lr"], tuple(g["betas"]), g["weight_decay"]) == (1e-3 * f(4), (0.8, 0.9), 0.05)
+    assert ck["scheduler"]["base_lrs"] == [1e-3] and ck["scheduler"]["last_epoch"] == 4
+    assert (ck["config"]["lr"], tuple(ck["config"]["betas"]), ck["config"]["weight_decay"]) == (1e-3, (0.8, 0.9), 0.05)
+    assert {int(s["step"]) for s in ck["optimizer"]["state"].values()} == {4}  # the counts went on from 2
+
+
+def test_restore_keeps_the_optimizer_settings_it_was_built_with(tmp_path):
+    """restore() loads the moments, the step counts and the position in the schedule; lr, betas, eps, weight
+    decay and the schedule's base lr stay those the optimizer and scheduler were built with (this run's
+    config), the lr set as the new schedule has it at the saved step. The pipeline restores the same way."""
+    from trainer.checkpoint import read_checkpoint, restore, save_checkpoint
+    from trainer.common import lr_lambda
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.2, 0.0))
+    for _ in range(3):
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    path = str(tmp_path / "checkpoint.pt")
+    save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=3, config={})
+    other = torch.nn.Linear(3, 2)
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    f = lr_lambda(20, 0.5, 0.1)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, f)
+    assert restore(read_checkpoint(path), model=other, optimizer=opt2, scheduler=sched2, path=path) == 3
+    g = opt2.param_groups[0]
+    assert (g["lr"], g["betas"], g["eps"], g["weight_decay"]) == (1e-3 * f(3), (0.8, 0.9), 1e-6, 0.1)
+    assert sched2.base_lrs == [1e-3] and sched2.last_epoch == 3 and sched2.get_last_lr() == [1e-3 * f(3)]
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"]) and int(opt2.state[q]["step"]) == 3
+    sched2.step()
+    assert g["lr"] == 1e-3 * f(4)
+
+
 # ------------------------------------------------------------------ a new run over an old one
 def test_new_run_refuses_a_folder_with_an_earlier_run(tmp_path, tiny_qwen3_dir, counting_data):
     out = tmp_path / "run"
@@ -197,6 +266,48 @@ def test_records_without_a_checkpoint_are_not_wiped(tmp_path, tiny_qwen3_dir, co
     (out / "metrics.jsonl").write_text("")  # an empty file holds nothing to lose
     train(tiny(tiny_qwen3_dir, counting_data, out, steps=2), log=quiet)
     assert steps_in(out / "metrics.jsonl") == [1, 2]
+
+
+def test_resume_without_a_checkpoint_is_a_one_line_refusal(tmp_path, tiny_qwen3_dir, counting_data):
+    """--resume into a folder without a checkpoint: a RunDirError naming the path; the command ends with
+    that line (exit status 1), as the other run-folder refusals do, not with a traceback."""
+    from trainer.train import main
+
+    out = tmp_path / "empty"
+    with pytest.raises(RunDirError, match=f"--resume: no checkpoint at {out / 'checkpoint.pt'}"):
+        train(tiny(tiny_qwen3_dir, counting_data, out, steps=2), resume=True, log=quiet)
+    with pytest.raises(RunDirError, match="--resume: no checkpoint"):
+        run_pipeline(tiny(tiny_qwen3_dir, counting_data, out, steps=2, target_gpus="cpu"), resume=True,
+                     log=quiet_log())
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--target", tiny_qwen3_dir, "--data", counting_data, "--out-dir", str(out),
+              "--resume"])
+    assert str(e.value).startswith("trainer.train: --resume: no checkpoint at ") and "\n" not in str(e.value)
+    proc = start_cli(["--preset", "tiny", "--target", tiny_qwen3_dir, "--data", counting_data, "--out-dir",
+                      str(out), "--resume"])
+    text, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in text and "--resume: no checkpoint at" in text, text
+
+
+def test_overwrite_deletes_the_earlier_drafter_folder_at_once(tmp_path, tiny_qwen3_dir, counting_data,
+                                                              monkeypatch):
+    """--overwrite removes the earlier run's drafter folder before anything else happens (and says so): a
+    run that fails before its first save leaves no earlier drafter beside its own files."""
+    import trainer.train as train_mod
+
+    out = tmp_path / "run"
+    train(tiny(tiny_qwen3_dir, counting_data, out, steps=2), log=quiet)
+    assert (out / "drafter" / "model.safetensors").exists()
+    logged = []
+
+    def fails_at_load(*a, **kw):
+        raise RuntimeError("the target failed to load")
+
+    monkeypatch.setattr(train_mod, "load_target", fails_at_load)
+    with pytest.raises(RuntimeError, match="failed to load"):
+        train(tiny(tiny_qwen3_dir, counting_data, out, steps=2, seed=1), log=logged.append, overwrite=True)
+    assert not (out / "drafter").exists() and not (out / "checkpoint.pt").exists()
+    assert any("--overwrite" in s and "drafter" in s and str(out / "drafter") in s for s in logged), logged
 
 
 # ----------------------------------------------------------------------------- killed saves
@@ -240,6 +351,61 @@ def test_save_flushes_the_file_then_the_folder(tmp_path, monkeypatch):
     save_checkpoint(str(tmp_path / "checkpoint.pt"), model=m, optimizer=opt, scheduler=sched, step=1, config={})
     assert events == ["fsync file", "replace", "fsync dir"]
     assert os.listdir(tmp_path) == ["checkpoint.pt"]
+
+
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A save that dies half-way through writing (disk full, a kill) leaves the previous checkpoint whole and
+    readable, and no temporary file."""
+    import trainer.checkpoint as ckmod
+
+    path = str(tmp_path / "checkpoint.pt")
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(m.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckmod.save_checkpoint(path, model=m, optimizer=opt, scheduler=sched, step=1, config={"n": 1})
+    before = open(path, "rb").read()
+    real_save = torch.save
+
+    def dies_midway(obj, f, *a, **kw):
+        real_save(obj, f, *a, **kw)
+        f.truncate(f.tell() // 2)  # half the bytes reached the file
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", dies_midway)
+    with torch.no_grad():
+        m.weight.add_(1.0)
+    with pytest.raises(OSError, match="No space left"):
+        ckmod.save_checkpoint(path, model=m, optimizer=opt, scheduler=sched, step=2, config={"n": 2})
+    assert open(path, "rb").read() == before and os.listdir(tmp_path) == ["checkpoint.pt"]
+    assert ckmod.read_checkpoint(path)["step"] == 1
+
+
+def as_a_step_graph_run_wrote_it(path, groups):
+    """Rewrite a CPU run's checkpoint as a GPU run with the step as CUDA graphs (trainer.step_graph) wrote it
+    before checkpoints were made portable: the groups capturable with ``groups``' keys (torch's fused AdamW, or
+    MasterAdamW's few), the step counts float32 tensors (the device's, read back to the CPU)."""
+    ck = torch.load(path, weights_only=False)
+    ck["optimizer"]["param_groups"] = [{**{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")},
+                                        **groups} for g in ck["optimizer"]["param_groups"]]
+    for st in ck["optimizer"]["state"].values():
+        st["step"] = torch.as_tensor(st["step"], dtype=torch.float32)
+    torch.save(ck, path)
+
+
+@pytest.mark.parametrize("groups", [
+    dict(capturable=True, fused=True, foreach=None, amsgrad=False, maximize=False, differentiable=False),
+    dict(capturable=True)], ids=["torch_fused_adamw", "master_adamw"])
+def test_a_step_graph_checkpoint_resumes_on_the_cpu(tmp_path, tiny_qwen3_dir, counting_data, groups):
+    """A checkpoint of a GPU run that stepped as CUDA graphs (capturable groups) resumes on the CPU with the
+    uninterrupted run's losses: the resumed optimizer steps as this run built it, not as the GPU run did."""
+    full = train(tiny(tiny_qwen3_dir, counting_data, tmp_path / "a", steps=5), log=quiet)
+    out = tmp_path / "b"
+    train(tiny(tiny_qwen3_dir, counting_data, out, steps=5), log=quiet, stop_after=2)
+    as_a_step_graph_run_wrote_it(out / "checkpoint.pt", groups)
+    resumed = train(tiny(tiny_qwen3_dir, counting_data, out, steps=5), resume=True, log=quiet)
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    g = torch.load(out / "checkpoint.pt", weights_only=False)["optimizer"]["param_groups"][0]
+    assert g["capturable"] is False and g.get("fused") in (None, False)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "not_a_checkpoint"])
@@ -312,6 +478,30 @@ def test_gpu_resume_repeats_the_uninterrupted_run(tmp_path, tiny_qwen3_dir, coun
     assert_same_trajectory([r["loss"] for r in resumed], full, repeat)
     ck = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
     assert ck["rng"]["torch"].device.type == "cpu" and len(ck["rng"]["cuda"]) == torch.cuda.device_count()
+
+
+@pytest.mark.gpu
+def test_gpu_step_graph_checkpoints_move_between_the_cpu_and_the_gpu(tmp_path, tiny_qwen3_dir, counting_data,
+                                                                      real_attention_kernels):
+    """A step-graph run's checkpoint resumes on the CPU, and a CPU run's into a step-graph run on the GPU, each
+    continuing with the losses of an uninterrupted run on the device it resumes on (up to the two devices'
+    fp32 rounding, which the first steps differ by)."""
+    def cfg(out, dev):
+        graphs = dict(step_cuda_graphs="on") if dev == "cuda" else {}
+        return tiny(tiny_qwen3_dir, counting_data, out, steps=6, device=dev, dtype="float32", **graphs)
+
+    def losses(hist):
+        return [r["loss"] for r in hist]
+
+    full = {dev: losses(train(cfg(tmp_path / f"full-{dev}", dev), log=quiet)) for dev in ("cpu", "cuda")}
+    for first, then in (("cuda", "cpu"), ("cpu", "cuda")):
+        out = tmp_path / f"{first}-then-{then}"
+        train(cfg(out, first), log=quiet, stop_after=3)
+        groups = torch.load(out / "checkpoint.pt", weights_only=False)["optimizer"]["param_groups"]
+        assert all(g["capturable"] is False and type(g["lr"]) is float for g in groups)
+        resumed = losses(train(cfg(out, then), resume=True, log=quiet))
+        assert len(resumed) == 6
+        torch.testing.assert_close(torch.tensor(resumed[3:]), torch.tensor(full[then][3:]), rtol=1e-3, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -130,6 +130,37 @@ def test_checkpoints_hold_float_learning_rates(tmp_path):
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
 
 
+@pytest.mark.parametrize("kind", ["torch", "master"])
+def test_checkpoints_hold_no_device_specific_optimizer_state(tmp_path, kind):
+    """The optimizer of a step-graph run (capturable groups, a device-tensor lr, the step counts tensors on the
+    device) is saved as an eager run's: not capturable, float lrs, step counts float32 CPU scalars; the live
+    optimizer keeps its own."""
+    from trainer.checkpoint import read_checkpoint, save_checkpoint
+    from trainer.compute_weights import MasterAdamW
+
+    model = torch.nn.Linear(3, 2)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "torch" else
+           MasterAdamW(model.parameters(), None, lr=1e-2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.5, 0.0))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    sched.step()
+    for g in opt.param_groups:  # what DrafterStep sets (its tensors on the drafter's device)
+        g["capturable"] = True
+        g["lr"] = torch.tensor(float(g["lr"]), dtype=getattr(opt, "lr_dtype", torch.float32))
+    for st in opt.state.values():
+        st["step"] = torch.as_tensor(st["step"], dtype=torch.float32)
+    path = str(tmp_path / "ck.pt")
+    save_checkpoint(path, model=model, optimizer=opt, scheduler=sched, step=1, config={})
+    ck = read_checkpoint(path)
+    assert [g["capturable"] for g in ck["optimizer"]["param_groups"]] == [False]
+    assert type(ck["optimizer"]["param_groups"][0]["lr"]) is float
+    for st in ck["optimizer"]["state"].values():
+        step = st["step"]
+        assert step.device.type == "cpu" and step.dtype == torch.float32 and step.shape == () and float(step) == 1
+    assert opt.param_groups[0]["capturable"] is True and isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,kind", [(torch.bfloat16, "fused"), (torch.float32, "fused"),
                                         (torch.bfloat16, "copies")], ids=["bf16", "fp32", "bf16-copies"])

@@ -3,6 +3,7 @@ checkpoints and the HF-style drafter folder are written."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -142,6 +143,27 @@ def test_configs_saved_with_chunked_loss_still_load():
     assert TrainConfig.from_dict({**old, "chunked_loss": False}).loss == "logits"
     with pytest.raises(ValueError, match="loss"):
         preset("tiny", loss="fast")
+
+
+@pytest.mark.parametrize("betas,match", [((0.9, 1.0), r"betas\[1\]: expected a number in \[0, 1\), got 1.0"),
+                                         ((1, 0.95), r"betas\[0\]: expected a number in \[0, 1\), got 1"),
+                                         ((0.9, 0.95, 0.99), r"betas: expected two numbers, got \(0.9, 0.95, 0.99\)")],
+                         ids=["beta2_one", "beta1_one", "three"])
+def test_betas_outside_0_1_are_refused_when_the_config_is_made(betas, match, capsys):
+    """A config, a saved config and the --betas flag refuse beta >= 1 (as torch's AdamW) by the field's name,
+    before anything is loaded: the command ends with argparse's usage error (exit status 2)."""
+    from trainer.config import TrainConfig
+    from trainer.train import main
+
+    with pytest.raises(ValueError, match=match):
+        preset("tiny", betas=betas)
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_dict({**preset("tiny").to_dict(), "betas": list(betas)})
+    with pytest.raises(SystemExit) as e:
+        main(["--preset", "tiny", "--betas", ",".join(map(str, betas))])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err
 
 
 def test_fused_elementwise_ops_train_the_same_trajectory(tmp_path, tiny_qwen3_dir, counting_data, monkeypatch):

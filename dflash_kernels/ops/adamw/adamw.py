@@ -49,8 +49,12 @@ def _check(params, grads, exp_avgs, exp_avg_sqs, compute_copies, grad_scale, lr,
         hosted = ()
     else:
         hosted = (("lr", lr, 0, math.inf),)
-    for name, x, lo, hi in hosted + (("beta1", beta1, 0, 1), ("beta2", beta2, 0, 1), ("eps", eps, 0, math.inf),
-                                     ("weight_decay", weight_decay, 0, math.inf)):
+    # below 1, as torch's AdamW: beta1 = 1 divides by a zero bias correction, beta2 = 1 makes every parameter
+    # NaN (0 / 0 in the second moment's correction)
+    for name, x in (("beta1", beta1), ("beta2", beta2)):
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not 0 <= x < 1:
+            raise ValueError(f"{name}: expected a finite number in [0, 1), got {x!r}")
+    for name, x, lo, hi in hosted + (("eps", eps, 0, math.inf), ("weight_decay", weight_decay, 0, math.inf)):
         if not isinstance(x, (int, float)) or isinstance(x, bool) or not (lo <= x <= hi) or not math.isfinite(x):
             raise ValueError(f"{name}: expected a finite number in [{lo}, {hi}], got {x!r}")
     if isinstance(step, (list, tuple)):
@@ -129,7 +133,8 @@ def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0
             read as they are).
         lr: a host number, or a one-element float tensor on the parameters' device (its value is read on the
             device only: the step can be recorded into a CUDA graph and replayed as the value changes).
-        beta1, beta2, eps, weight_decay: host numbers.
+        beta1, beta2: host numbers in [0, 1) (as torch's AdamW).
+        eps, weight_decay: host numbers >= 0.
         step: the step being taken (1 first), for the bias corrections: an int, or (device-side, as ``lr``) a
             one-element float tensor or a list of them, one per parameter (torch's capturable ``state["step"]``).
         grad_scale: optional one-element device tensor; each gradient is divided by it first (the
