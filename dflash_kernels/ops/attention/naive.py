@@ -83,22 +83,23 @@ def naive_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, ret
     return o, lse
 
 
-def _bad_rows(x: torch.Tensor) -> list:
-    """Indices along dim -2 of ``x`` ``[B, H, T, D]`` where some element is non-finite."""
-    return (~x.isfinite()).any(-1).any(1).any(0).nonzero().flatten().tolist()
-
-
 def _contract(p: torch.Tensor, x: torch.Tensor, vis: torch.Tensor) -> torch.Tensor:
     """``p @ x`` (``p`` ``[B, H, M, N]`` exactly 0 where ``vis`` ``[B, 1, M, N]`` is False, ``x`` ``[B, H, N, D]``),
-    where a non-finite row n of x reaches only the rows m with ``vis[m, n]``: the plain product would
-    multiply its NaN / Inf by the exact zeros of every other row."""
-    bad = _bad_rows(x)
-    if not bad:
-        return torch.matmul(p, x)
-    out = torch.matmul(p, x.index_fill(-2, torch.tensor(bad, device=x.device), 0.0))
-    for n in bad:
-        out = out + torch.where(vis[..., n, None], p[..., n, None] * x[..., n, None, :], 0.0)
-    return out
+    where a non-finite element of x reaches only the rows m with ``vis[m, n]``: the plain product would
+    multiply its NaN / Inf by the exact zeros of every other row. The finite part is one product; the
+    non-finite part is what the plain product gives over the visible pairs, from counts of NaN, +Inf and -Inf
+    per (row, column) (products of 0/1 matrices: exact), with no host synchronization (it runs inside CUDA
+    graph capture)."""
+    finite = x.isfinite()
+    out = torch.matmul(p, torch.where(finite, x, 0.0))
+    seen = vis.to(p.dtype)
+    pos = (vis & (p > 0)).to(p.dtype)  # p * inf is +-inf where p > 0, NaN where p underflowed to 0
+    n_nan = torch.matmul(seen, x.isnan().to(p.dtype)) + torch.matmul(seen - pos, x.isinf().to(p.dtype))
+    n_pinf = torch.matmul(pos, x.isposinf().to(p.dtype))
+    n_ninf = torch.matmul(pos, x.isneginf().to(p.dtype))
+    bad = torch.where((n_nan > 0) | ((n_pinf > 0) & (n_ninf > 0)), float("nan"),
+                      torch.where(n_pinf > 0, float("inf"), torch.where(n_ninf > 0, float("-inf"), 0.0)))
+    return out + bad  # rows that see no non-finite element add exactly 0
 
 
 class _MaskedAttention(torch.autograd.Function):
