@@ -308,9 +308,11 @@ def _update_kernels(x, conv_state, weight, bias, activation, cache_seqlens, conv
     x3 = x.unsqueeze(-1) if squeeze else x
     # Outside torch.compile the custom op's dispatch is skipped: the launcher directly (no autograd).
     run = _update_op if traced((x3, conv_state)) else causal_conv1d_update_fwd
-    y = run(x3, conv_state, weight if weight.is_contiguous() else weight.contiguous(),
-            bias if bias is None or bias.is_contiguous() else bias.contiguous(), activation is not None,
-            cache_seqlens, conv_state_indices)
+    # x and the state are read at their strides; the kernel reads the others densely (row b at b).
+    weight, bias, cache_seqlens, conv_state_indices = (
+        t if t is None or t.is_contiguous() else t.contiguous() for t in (weight, bias, cache_seqlens,
+                                                                          conv_state_indices))
+    y = run(x3, conv_state, weight, bias, activation is not None, cache_seqlens, conv_state_indices)
     return y.squeeze(-1) if squeeze else y
 
 

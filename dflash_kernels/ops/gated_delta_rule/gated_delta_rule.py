@@ -51,7 +51,7 @@ def _varlen_layout(cu_seqlens, B, T, device, cu_seqlens_cpu=None, chunk_indices=
     """
     if cu_seqlens is None:
         return B, B * cdiv(T, BT), None, None, None
-    cu = cu_seqlens.to(torch.int32)
+    cu = cu_seqlens.to(torch.int32).contiguous()  # the kernels read it densely: an int32 view is copied too
     if chunk_indices is not None:
         counts = (cu[1:] - cu[:-1] + (BT - 1)) // BT
         offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
@@ -424,7 +424,7 @@ def _gdn_recurrent_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     # The output in v's dtype, as fla's fused_recurrent_gated_delta_rule; every input is read in fp32.
     o = alloc.empty(B, T, Hv, V, dtype=v.dtype, device=q.device)
     final_state = alloc.empty(N, Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32, device=q.device)
-    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32)
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()  # read densely, as in the chunk
     gdn_recurrent_fwd_kernel(lambda m: (cdiv(V, m["BV"]), N * Hv), q, k, v, g, beta, A_log, dt_bias,
                              initial_state, o, final_state, cu, T, scale, L2NORM_EPS, bucket=(N * Hv,), HK=Hk,
                              HV=Hv, K=K, V=V, BK=_block(K), IS_VARLEN=cu is not None,

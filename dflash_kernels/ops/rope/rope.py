@@ -20,8 +20,9 @@ _op = Op(OP)
 
 
 def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
-    """x ``[B, T, H, D]`` (unit feature stride), cos / sin ``[B, T, R]`` (unit feature stride; batch
-    stride 0 broadcasts) -> the rotated (``backward``: inversely rotated) ``[B, T, H, D]``, contiguous."""
+    """x ``[B, T, H, D]`` (unit feature stride), cos / sin ``[B, T, R]`` (unit feature stride and the same
+    strides: sin is read at cos's; batch stride 0 broadcasts) -> the rotated (``backward``: inversely
+    rotated) ``[B, T, H, D]``, contiguous."""
     B, T, H, D = x.shape
     R = cos.shape[-1]
     y = alloc.empty((B, T, H, D), dtype=x.dtype, device=x.device)
@@ -34,10 +35,16 @@ def rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward:
     return y
 
 
-def _prep_cos(t: torch.Tensor, B: int) -> torch.Tensor:
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    return t.expand(B, -1, -1) if t.shape[0] != B else t
+def _prep_cos_sin(cos: torch.Tensor, sin: torch.Tensor, B: int):
+    """cos, sin ``[B or 1, T, R]`` -> ``[B, T, R]`` views with a unit feature stride and one layout: the
+    kernel reads both at cos's strides. Copied only when they are not so (a batch of 1 is expanded, not
+    copied)."""
+    same = all(a == b for a, b, n in zip(cos.stride(), sin.stride(), cos.shape) if n > 1)
+    if not same or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if cos.shape[0] != B:
+        cos, sin = cos.expand(B, -1, -1), sin.expand(B, -1, -1)
+    return cos, sin
 
 
 def _fwd_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,7 +99,7 @@ def _fast(x, cos, sin):
     B = x.shape[0]
     if x.stride(-1) != 1:
         x = x.contiguous()
-    return _fwd(x, _prep_cos(cos.detach(), B), _prep_cos(sin.detach(), B))
+    return _fwd(x, *_prep_cos_sin(cos.detach(), sin.detach(), B))
 
 
 def apply_rope(x, cos, sin):

@@ -6,6 +6,7 @@ recomputes ``silu`` from the saved inputs instead of saving it). ``reference``: 
 in place; its gradient is one ``[..., 2C]`` tensor written by the same kernel.
 """
 
+import math
 from typing import Tuple
 
 import torch
@@ -46,7 +47,7 @@ def swiglu_bwd(dy, gate, up, dgate, dup) -> None:
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t = t.reshape(-1, t.shape[-1])
+    t = t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: ambiguous for an empty last dim
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
