@@ -131,7 +131,10 @@ class _MaskedAttention(torch.autograd.Function):
         ds = torch.where(vis, p * (dp - (p * dp).sum(-1, keepdim=True)), 0.0) * ctx.scale
         dq = _contract(ds, k, vis)
         dk = _contract(ds.transpose(-1, -2), q, vis_t)
-        return dq, dk, dv, None, None
+
+        def token_major(t):  # [B, H, T, D] values in [B, T, H, D] memory: the caller's layout after its transpose
+            return t.transpose(1, 2).contiguous().transpose(1, 2)
+        return token_major(dq), token_major(dk), token_major(dv), None, None
 
 
 def masked_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, return_lse=False,
@@ -150,5 +153,5 @@ def masked_block_sparse_attention(q, k, v, mask: BlockSparseMask, scale=None, re
     vf = v.float().repeat_interleave(Hq // Hkv, dim=2).transpose(1, 2)
     with torch.autocast(q.device.type, enabled=False):  # fp32 math, also inside an autocast region
         o, lse = _MaskedAttention.apply(qf, kf, vf, vis, scale)
-    o = o.transpose(1, 2).to(q.dtype)
+    o = o.transpose(1, 2).to(q.dtype, memory_format=torch.contiguous_format)  # [B, Tq, Hq, D] as q
     return (o, lse) if return_lse else o
