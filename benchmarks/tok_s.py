@@ -1,75 +1,62 @@
 """Drafter-training throughput, the project's main job: ``python benchmarks/tok_s.py``.
 
 The same DFlash training step as ``trainer.train`` (batch -> frozen target features -> drafter ->
-weighted CE -> backward -> clip -> AdamW) is timed with three sets of backends in one run:
+weighted CE -> backward -> clip -> AdamW) is timed with several sets of backends, one row each:
 
-- (a) ``dflash_kernels``: everything the library offers: its kernels for the drafter's block-sparse
-  attention, the target's Gated DeltaNet and short conv, the fused LM head + cross-entropy
-  (``linear_cross_entropy``) as the loss, its fused ``rms_norm`` / ``apply_rope`` / ``swiglu`` in the
-  drafter and the target (the trainer's default on a GPU; on a CPU the plain torch chains, where the
-  ops would run the interpreter), and the trainer's ``compute_weights="auto"``: on a GPU in bf16 the
-  drafter runs on bf16 weight copies that the library's fused AdamW writes in its step (elsewhere fp32
-  weights under autocast and torch's fused AdamW) (``triton`` on a GPU; on a CPU the same Triton kernels
-  through Triton's interpreter);
-- (b) ``peers`` (``benchmarks/peers.py``): the drafter's attention as ``torch.compile(flex_attention)`` with a
-  BlockMask rebuilt every step by ``torch.compile(create_block_mask)`` (anchors change every step;
-  ``--flex-mask eager`` builds it eagerly, as the rows up to 2026-12-02 10:37 did), the target's GDN
-  on fla and its conv on causal-conv1d where those are importable (CUDA only); the loss over the
-  whole logits (``F.linear`` + fp32 ``F.cross_entropy``) and torch's default (foreach) AdamW;
-- (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch;
-- (e) (a) with the plain torch norm / RoPE / SwiGLU chains in the drafter and the target, for the A/B
-  of those ops (``--groups a,e``; not in the default);
-- (k) (a) with ``compute_weights="autocast"`` (fp32 weights cast by autocast in every forward): the A/B of
-  the trainer's default ``"auto"``, which on a GPU in bf16 runs the drafter on bf16 weight copies written by
-  the optimizer step, as (a) does (``--groups a,k``); (m) (a) with ``"copies"`` explicitly (on a GPU the same
-  as (a); on the CPU (a) follows "auto", i.e. autocast); (n) (a) and (bn) (b) with the frozen
-  target's feature forward run eagerly: every group follows the trainer's default
-  (``TrainConfig.target_cuda_graphs="auto"``: the forward replayed as CUDA graphs on a GPU; trainer code,
-  which every group shares), and these rows are its A/B (``--groups a,n`` / ``b,bn``); where the target
-  runs as graphs, (a) also routes its GDN layers with ``use_dflash_kernels(..., gdn_layers=True)`` (q and
-  k reach the delta rule at their own head count instead of transformers 5.17's copies to the value heads:
-  1.1 ms of device time per step at the ``real`` preset; and the kernels compute the decay and beta from the
-  raw gate and logits; the trainer does the same), and (r) is (a)
-  without that route; likewise every group runs the drafter's forward, backward, clip and AdamW step as
-  CUDA graphs (``TrainConfig.step_cuda_graphs="auto"``, ``trainer/step_graph.py``; ``--step-graphs``
-  sets it), and (w) (a) and (bw) (b) are the rows with the eager step, its A/B; (s) and (f)
-  (a) with the split GDN forward forced (``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan,
-  then the output over all chunks at once) and with the fused one forced (``=0``), the A/B of the
-  library's own choice, which splits for few sequences and heads (the ``real`` target's B=1, Hv=32);
-- (b+) the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only):
-  (b) plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy
-  (``b+liger``) or Cut Cross-Entropy's (``b+cce``) as the loss (``reduction="none"`` and the DFlash
-  position weights applied outside, ``benchmarks/peers.py``), and Liger's RMSNorm / RoPE / SwiGLU in
-  the drafter and its RMSNorm / SwiGLU MLP in the target (``b+liger-ew``); then the pieces that made
-  (b) faster together (the fastest loss, Liger's elementwise ops if they helped), run as one more row
-  unless it is one already measured (``--plus`` picks the variants run alone; default all). The fastest
-  of all these rows, (b) included, is (b+) and carries ``b_plus_best`` (the combination is not always
-  faster than its parts); the table's notes name it.
+- (a) ``dflash_kernels``: everything the library offers, with the trainer's defaults: its kernels for the
+  drafter's block-sparse attention, the target's Gated DeltaNet and short conv, the fused LM head +
+  cross-entropy (``linear_cross_entropy``) as the loss, its fused ``rms_norm`` / ``apply_rope`` /
+  ``swiglu`` in the drafter and the target (on a GPU; on a CPU the plain torch chains, where the ops
+  would run the interpreter), and ``compute_weights="auto"``: on a GPU in bf16 the drafter runs on bf16
+  weight copies that the library's fused AdamW writes in its step (elsewhere fp32 weights under autocast
+  and torch's fused AdamW). On a GPU the target's feature forward is replayed as CUDA graphs with its GDN
+  layers routed by ``use_dflash_kernels(..., gdn_layers=True)`` (q and k reach the delta rule at their own
+  head count, and the kernels compute the decay and beta from the raw gate and logits), and the drafter's
+  forward, backward, clip and AdamW step run as CUDA graphs (``TrainConfig.target_cuda_graphs`` /
+  ``step_cuda_graphs="auto"``: trainer code, which every group shares). On a CPU the Triton kernels run
+  through Triton's interpreter;
+- (b) ``peers`` (``benchmarks/peers.py``): the drafter's attention as ``torch.compile(flex_attention)``
+  with a BlockMask rebuilt every step (anchors change every step) by ``torch.compile(create_block_mask)``
+  (``--flex-mask eager`` builds it eagerly), the target's GDN on fla and its conv on causal-conv1d where
+  those are importable (CUDA only); the loss over the whole logits (``F.linear`` + fp32
+  ``F.cross_entropy``) and torch's default (foreach) AdamW;
+- (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch.
 
-On a GPU every group, and every (b+) variant, runs in a Python process of its own (``--isolate``, on by
-default there): the script runs itself with ``--child-group`` per row and collects the rows. The target is
-built again in each (random weights from the same seed: every row starts from the same model, drafter and
-batch); no row inherits another's allocator state, compiled kernels, autotuner state or patched modules.
+A/B rows, each (a) or (b) with one thing changed (``--groups a,e`` etc.; not in the default): (e) the
+plain torch norm / RoPE / SwiGLU chains; (k) ``compute_weights="autocast"``; (m) ``"copies"`` explicitly
+(on a CPU (a) follows "auto", i.e. autocast); (n) and (bn) the target's forward eager; (r) without the
+GDN layer route; (w) and (bw) the drafter's step eager; (s) the split GDN forward forced
+(``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan, then the output over all chunks at once)
+and (f) the fused one (``=0``), the A/B of the library's own choice, which splits for few sequences and
+heads (the ``real`` target's B=1, Hv=32).
 
-Each row reports tokens/s (target tokens of the batch per second of training step, the trainer's own
-definition), ms/step, the model FLOPs per step and the MFU they give against the H200's dense bf16
-peak of 989 TFLOP/s (``trainer/flops.py`` has the analytic count: target forward, drafter forward and
-backward, the frozen LM head's forward and input gradient, attention over the visible pairs of each
-step's anchors), peak device memory, the first (compiling) step's seconds, the per-step mask
-build time, the first step's loss (every row starts from the same drafter and batch, so the losses
-agree when the backends compute the same thing) and ``a / this``: (a)'s tokens/s over the row's.
-``--profile N`` adds each group's device time per category (gemm, attention, gdn, conv, loss,
-optimizer, copies/casts, norm/rope/activation, other; JSON field ``profile_ms``) and ``device_idle_ms``: the
-step's wall time less that device time, what the GPU waits for the host per step. On a GPU every row also
-splits its timed steps with CUDA events (``span_ms``, no synchronization in the steps): ``target`` (the
-step's start to its target features), ``drafter`` (to the drafter's step done) and ``between`` (one step's
-end to the next one's start, the scheduler's lr write included), each the mean device-side ms per step:
-where the timed step's time goes, idle included, without the profiler.
+(b+) is the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only): (b)
+plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy (``b+liger``) or Cut
+Cross-Entropy's (``b+cce``) as the loss (``reduction="none"``, the DFlash position weights applied
+outside), and Liger's RMSNorm / RoPE / SwiGLU in the drafter and its RMSNorm / SwiGLU MLP in the target
+(``b+liger-ew``); then the pieces that made (b) faster, together, as one more row unless already measured
+(``--plus`` picks the variants run alone). The fastest of these rows, (b) included, is (b+) (the
+combination is not always faster than its parts) and carries ``b_plus_best``; the table's notes name it.
+
+On a GPU every row runs in a Python process of its own (``--isolate``): the script runs itself with
+``--child-group`` per row and collects the rows, so no row inherits another's allocator state, compiled
+kernels, autotuner state or patched modules; each builds the target again from the same seed, so every
+row starts from the same model, drafter and batch.
+
+Each row's columns are explained under the table (tokens/s is the trainer's definition: target tokens of
+the batch per second of training step; the model FLOPs are ``trainer/flops.py``'s analytic count).
+``--profile N`` adds each group's device time per category (gemm, attention, gdn, conv, loss, optimizer,
+copies/casts, norm/rope/activation, other; JSON field ``profile_ms``) and ``device_idle_ms``: the step's
+wall time less that device time, what the GPU waits for the host per step. On a GPU every row also splits
+its timed steps with CUDA events (``span_ms``, no synchronization in the steps): ``target`` (the step's
+start to its target features), ``drafter`` (to the drafter's step done) and ``between`` (one step's end to
+the next one's start, the scheduler's lr write included), each the mean device-side ms per step.
+``--verbose`` prints each row's full record as it finishes (the ``--json`` rows hold it too).
 
 Before the clock starts, each timed batch's forward and backward run once without an update (the shape
 pass; ``--shape-pass off`` skips it): a batch whose shapes the warm-up steps did not cover would otherwise
 put first-time compilation (torch.compile's recompiles in (b)) and tuning (the library's, once per shape
-bucket and GPU model) into the timed steps, as happened at the ``embedded`` preset, whose batches vary.
+bucket and GPU model) into the timed steps.
 
 Presets:
 - ``embedded``: the embedded default (``python -m trainer.build_default``; built first when
@@ -77,7 +64,8 @@ Presets:
 - ``real``: a random-weight Qwen3.5-4B-like target (32 layers, 3 Gated DeltaNet : 1 attention,
   hidden 2560, vocab 248320) with the published drafter shape (5 layers, 32 x 128 heads) at max_len
   3072 and 512 anchors; GPU only;
-- ``tiny``: a random tiny Qwen3.5 hybrid and the ``tiny`` trainer preset; seconds on a CPU.
+- ``tiny``: a random tiny Qwen3.5 hybrid (``trainer.random_target``) and the ``tiny`` trainer preset;
+  seconds on a CPU.
 
 Without ``--preset``: ``embedded`` and ``real`` on a GPU, ``tiny`` on a CPU (and it says so). GPU rows
 are appended to ``benchmarks/results/tok_s.jsonl`` with the GPU, torch / triton versions, date and
@@ -98,62 +86,67 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peers.py sits next to this file
-from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_backends, peer_head_loss  # noqa: E402
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peers.py sits next to this file
+sys.path.insert(1, ROOT)  # the trainer, wherever the script is run from
+from peers import PLUS_LOSSES, FlexDrafterAttention, liger_elementwise, peer_backends, peer_head_loss  # noqa: E402
+# The presets' random targets (no dflash_kernels import here: main sets TRITON_INTERPRET first on a CPU).
+from trainer.random_target import TEXT_CONFIGS  # noqa: E402,F401 - also make_target.py's and bench_adamw.py's
+from trainer.random_target import random_qwen35_target as _random_qwen35_target  # noqa: E402
+from trainer.random_target import synthetic_dataset as _synthetic_dataset  # noqa: E402
+
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "tok_s.jsonl")
 OPS = ("attention", "gdn", "conv1d", "linear_cross_entropy")
 GROUPS = ("a", "b", "b+", "bn", "bw", "c", "e", "f", "k", "m", "n", "r", "s", "w")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="See the module docstring for the presets and the three backend groups.")
-    p.add_argument("--preset", action="append", choices=["embedded", "real", "tiny"],
-                   help="repeatable; default: embedded and real on a GPU, tiny on a CPU")
-    p.add_argument("--device", default="auto", help="auto (cuda if available), cuda or cpu")
-    p.add_argument("--groups", default="a,b,c", help="which backend groups to run: a (dflash_kernels), "
-                   "b (peers), b+ (b with Liger's / CCE's pieces, after b), c (reference), e ((a) with the eager "
-                   "norm/RoPE/SwiGLU chains), n ((a) with the target's forward eager, not as CUDA graphs), bn ((b) "
-                   "likewise), r ((a) without the GDN layer route), m ((a) with bf16 weight copies), s ((a) with the "
-                   "split GDN forward), f ((a) with the fused GDN forward), w ((a) with the drafter's step eager, not "
-                   "as CUDA graphs), bw ((b) likewise); only a, b, c are in the default")
-    p.add_argument("--plus", default="", help="the (b+) variants to run alone, comma-separated (default all: "
-                   "liger, cce, liger-ew); a variant left out is not measured this run, and the table says which ran")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per row (default: 10 on a GPU, 2 on a CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default: 2 on a GPU, 1 on a CPU)")
-    p.add_argument("--shape-pass", choices=["on", "off"], default="on",
-                   help="before the clock starts, run each timed batch's forward and backward once (no optimizer "
-                        "step), so first-time compilation and tuning of its shapes are not timed (default on)")
-    p.add_argument("--flex-mask", choices=["compiled", "eager"], default="compiled",
-                   help="how (b) builds its flex BlockMask each step: torch.compile(create_block_mask) (default, "
-                        "what PyTorch recommends for large masks) or the eager create_block_mask")
-    p.add_argument("--target-graphs", choices=["auto", "on", "off"], default="auto",
-                   help="the target's forward as CUDA graphs in every group that does not set it ((n), (bn) run it "
-                        "eagerly): the trainer's --target-cuda-graphs, default auto (on a GPU)")
-    p.add_argument("--step-graphs", choices=["auto", "on", "off"], default=None,
-                   help="the drafter's step (forward, backward, clip, AdamW) as CUDA graphs in every group that does "
-                        "not set it ((w), (bw) do): the trainer's --step-cuda-graphs (default: its default)")
-    p.add_argument("--reference-steps", type=int, default=3, help="timed steps of the slow (c) rows at most")
-    p.add_argument("--batch-size", type=int, default=None, help="override the preset's sequences per step")
-    p.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
-    p.add_argument("--no-record", action="store_true", help="do not append GPU rows to benchmarks/results/tok_s.jsonl")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
-                   help="after the timed steps, run STEPS more under torch.profiler and print where each group's "
-                        "device time goes (per kernel and per category); not part of the timing")
-    p.add_argument("--profile-top", type=int, default=15, metavar="N", help="kernels listed per profiled group")
-    p.add_argument("--profile-sources", type=float, default=0.0, metavar="MS",
-                   help="with --profile: also trace the copies/casts and torch elementwise kernels of at least MS "
-                        "device ms per step to their ATen op, input shapes and Python caller, and the GPU's idle "
-                        "gaps to what the host was running then (record_shapes and with_stack: more host time "
-                        "while profiling, not in the timing)")
-    p.add_argument("--trace", default="", metavar="DIR",
-                   help="also write each profiled group's torch.profiler trace (Chrome JSON) into DIR")
-    p.add_argument("--json", default="", help="also write the rows to this JSON file")
-    p.add_argument("--isolate", choices=["auto", "on", "off"], default="auto",
-                   help="each group in a Python process of its own (auto: on a GPU, where the rows are timed and "
-                        "recorded; off on a CPU, where the tiny rows only show the job runs)")
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/tok_s.py", usage="%(prog)s [--preset NAME] [--groups LIST] [options]",
+        description="Drafter-training throughput (tokens/s) of one DFlash training step, with the library's "
+        "kernels, its peers and the plain torch references, one row each.",
+        epilog="The groups, presets and columns: the module docstring of benchmarks/tok_s.py.")
+    run = p.add_argument_group("what runs")
+    run.add_argument("--preset", action="append", choices=["embedded", "real", "tiny"], metavar="NAME",
+                     help="tiny, real or embedded; repeatable (default: tiny on a CPU, embedded and real on a GPU)")
+    run.add_argument("--device", default="auto", metavar="DEV", help="auto (cuda if available), cuda or cpu")
+    ab_rows = ",".join(g for g in GROUPS if g not in ("a", "b", "c"))
+    run.add_argument("--groups", default="a,b,c", metavar="LIST", help="rows: a (dflash_kernels), b (peers), "
+                     f"c (reference) (default: a,b,c); A/B rows: {ab_rows}")
+    run.add_argument("--plus", default="", metavar="LIST", help="(b+) variants run alone (default: "
+                     "liger,cce,liger-ew)")
+    run.add_argument("--batch-size", type=int, default=None, metavar="N", help="sequences per step "
+                     "(default: the preset's)")
+    run.add_argument("--no-build", action="store_true", help="skip the embedded preset if it is not built yet")
+    timing = p.add_argument_group("timing")
+    timing.add_argument("--steps", type=int, default=None, metavar="N", help="timed steps per row (default: 10 on "
+                        "a GPU, 2 on a CPU)")
+    timing.add_argument("--warmup", type=int, default=None, metavar="N", help="untimed steps first (default: 2 on "
+                        "a GPU, 1 on a CPU)")
+    timing.add_argument("--reference-steps", type=int, default=3, metavar="N", help="timed steps of the slow (c) "
+                        "rows at most (default: 3)")
+    timing.add_argument("--shape-pass", choices=["on", "off"], default="on", metavar="on|off",
+                        help="run timed batches once before the clock (default: on)")
+    timing.add_argument("--flex-mask", choices=["compiled", "eager"], default="compiled", metavar="MODE",
+                        help="(b)'s BlockMask build: compiled (default) or eager")
+    timing.add_argument("--target-graphs", choices=["auto", "on", "off"], default="auto", metavar="MODE",
+                        help="target forward as CUDA graphs: auto (GPU), on, off")
+    timing.add_argument("--step-graphs", choices=["auto", "on", "off"], default=None, metavar="MODE",
+                        help="drafter step as CUDA graphs (default: the trainer's)")
+    timing.add_argument("--isolate", choices=["auto", "on", "off"], default="auto", metavar="MODE",
+                        help="a process per row (default: auto = on a GPU)")
+    out = p.add_argument_group("output")
+    out.add_argument("--verbose", action="store_true", help="print each row's full record as it finishes")
+    out.add_argument("--json", default="", metavar="PATH", help="also write the rows to this JSON file")
+    out.add_argument("--no-record", action="store_true", help="do not append GPU rows to "
+                     "results/tok_s.jsonl")
+    out.add_argument("--profile", type=int, default=0, metavar="N", help="profile N more steps per row: device "
+                     "time (GPU)")
+    out.add_argument("--profile-top", type=int, default=15, metavar="N", help="kernels listed per profiled row "
+                     "(default: 15)")
+    out.add_argument("--profile-sources", type=float, default=0.0, metavar="MS",
+                     help="with --profile: name the callers of copies/idle >= MS ms/step")
+    out.add_argument("--trace", default="", metavar="DIR", help="write each profiled row's Chrome trace into DIR")
     p.add_argument("--child-group", default="", help=argparse.SUPPRESS)  # one group, for --isolate's parent
     args = p.parse_args(argv)
     if args.child_group and (not args.preset or len(args.preset) != 1):
@@ -172,56 +165,6 @@ class Setup:
     note: str
 
 
-def _synthetic_dataset(vocab: int, n: int, length: int, seed: int = 0):
-    """Full-length random sequences (loss on all but the first 8 tokens): every step has max_len tokens."""
-    from trainer.data import Dataset, DataStats
-
-    g = torch.Generator().manual_seed(seed)
-    seqs = []
-    for _ in range(n):
-        ids = torch.randint(8, vocab, (length,), generator=g)
-        lm = torch.ones(length, dtype=torch.bool)
-        lm[:8] = False
-        seqs.append((ids, lm))
-    return Dataset(seqs, DataStats(records=n, kept=n))
-
-
-def _random_qwen35_target(text_cfg, cfg, dev, dtype, elementwise: bool = False):
-    """A random-weight Qwen3.5 hybrid built directly on ``dev`` (no files), routed through dflash_kernels
-    (its norms / MLPs / RoPE too with ``elementwise``; tok_s routes those per group instead)."""
-    from transformers import Qwen3_5ForCausalLM
-
-    from dflash_kernels.integrations.transformers import use_dflash_kernels
-    from trainer.config import default_target_layer_ids
-    from trainer.target import Target
-
-    torch.manual_seed(cfg.seed)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(dev):
-            model = Qwen3_5ForCausalLM(text_cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    use_dflash_kernels(model, elementwise=elementwise)
-    ids = cfg.target_layer_ids or default_target_layer_ids(text_cfg.num_hidden_layers, cfg.num_target_layers)
-    return Target(model, None, ids)
-
-
-# The presets' targets: Qwen3_5TextConfig keywords (random weights: speed does not depend on them).
-TEXT_CONFIGS = {
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-                 num_key_value_heads=1, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
-                 linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512,
-                 tie_word_embeddings=True, pad_token_id=0),
-    # Qwen3.5-4B's published text config
-    "real": dict(vocab_size=248320, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
-                 num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
-                 linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                 linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=True, pad_token_id=0),
-}
-
-
 def setup_tiny(args, dev, dtype, log):
     from transformers import Qwen3_5TextConfig
 
@@ -229,6 +172,7 @@ def setup_tiny(args, dev, dtype, log):
 
     cfg = preset("tiny", device=str(dev), batch_size=args.batch_size or 2)
     text = Qwen3_5TextConfig(**TEXT_CONFIGS["tiny"])
+    log(f"tok_s: building a random tiny Qwen3.5 target on {dev} ...")
     target = _random_qwen35_target(text, cfg, dev, dtype)
     ds = _synthetic_dataset(text.vocab_size, 8, cfg.max_len)
     return Setup("tiny", cfg, target, ds, "random tiny Qwen3.5 (4 layers, hidden 64), max_len 64, 4 anchors")
@@ -244,6 +188,7 @@ def setup_real(args, dev, dtype, log):
                          "512 anchors); on a CPU run `--preset tiny`.")
     text = Qwen3_5TextConfig(**TEXT_CONFIGS["real"])
     cfg = preset("default", device=str(dev), batch_size=args.batch_size or 1)
+    log(f"tok_s: building a random Qwen3.5-4B-like target on {dev} ...")
     target = _random_qwen35_target(text, cfg, dev, dtype)
     ds = _synthetic_dataset(text.vocab_size, 16, cfg.max_len)
     return Setup("real", cfg, target, ds, "random Qwen3.5-4B-like target (32 layers, 3 GDN : 1 attention, "
@@ -258,13 +203,11 @@ def setup_embedded(args, dev, dtype, log):
 
     cfg = preset("embedded", device=str(dev), **({"batch_size": args.batch_size} if args.batch_size else {}))
     paths = default_paths(cfg.cache_dir)
-    if not os.path.exists(paths["build"]):
-        if args.no_build:
-            log(f"tok_s: embedded default not built at {paths['root']} and --no-build given: skipping that preset")
-            return None
-        log(f"tok_s: the embedded default is not built yet: building it now into {paths['root']} "
-            f"(python -m trainer.build_default; minutes on a CPU, once)")
-        ensure(cfg.cache_dir, device=str(dev), log=log)
+    if not os.path.exists(paths["build"]) and args.no_build:
+        log(f"tok_s: embedded default not built at {paths['root']} and --no-build given: skipping that preset")
+        return None
+    ensure(cfg.cache_dir, device=str(dev), log=log)  # built first when missing (it says so; minutes on a CPU)
+    log(f"tok_s: loading the embedded default target on {dev} ...")
     target = load_target(paths["target"], cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype,
                          elementwise=False)  # routed per group (run_group)
     ds = load_jsonl(paths["train"], target.tokenizer, cfg.max_len, cfg.block_size, vocab_size=target.vocab_size,
@@ -817,7 +760,9 @@ def run_preset(name, args, dev, dtype, log) -> list:
         f"drafter {c.num_layers} layers {c.num_heads}x{c.head_dim} heads; {dtype}; {warmup} warm-up + {steps} timed steps")
 
     def one(g):
-        log(f"  {name} group ({g}) ...")
+        timed = min(steps, args.reference_steps) if g == "c" else steps
+        log(f"  {name} ({g}): {warmup} warm-up step(s){' (compiling and tuning its kernels)' if cuda else ''}, "
+            f"{'the shape pass, ' if TIMING['shape_pass'] else ''}then {timed} timed ...")
         try:
             row = run_group(setup, g, steps, warmup, dev, dtype, args.reference_steps, args.profile, log)
         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not a crash
@@ -828,7 +773,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
                 dk.set_backend(op, "auto")
             if cuda:
                 torch.cuda.empty_cache()
-        log(f"    {row}")
+        log(row_line(row, args.verbose))
         return row
 
     if args.child_group:
@@ -857,8 +802,7 @@ def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
                 if value not in (None, ""):  # --warmup 0 is a value
                     value = os.path.abspath(value) if flag == "trace" else value  # the child runs in ROOT
                     cmd += [f"--{flag.replace('_', '-')}", str(value)]
-            if args.no_build:
-                cmd.append("--no-build")
+            cmd += [f"--{flag.replace('_', '-')}" for flag in ("no_build", "verbose") if getattr(args, flag)]
             sys.stdout.flush()
             rc = subprocess.run(cmd, cwd=ROOT).returncode
             rows = None
@@ -871,7 +815,7 @@ def run_preset_isolated(name, args, dev, log, on_row=None) -> list:
             return None
         row = {"preset": name, "group": group_plan(g, dev).get("label", g),
                "error": f"child process for group {g!r} exited with status {rc}"}
-        log(f"    {row}")
+        log(row_line(row, args.verbose))
         return row
 
     return run_groups(parse_groups(args.groups), one, log, on_row, parse_plus(args.plus))
@@ -944,38 +888,84 @@ def mark_b_plus_best(rows) -> dict:
 
 
 # -------------------------------------------------------------------------------------- output
-COLUMNS = [("preset", "preset", "{}"), ("group", "group", "{}"), ("tok_s", "tokens/s", "{:,.0f}"),
-           ("ms_step", "ms/step", "{:.1f}"), ("model_TFLOP_step", "TFLOP/step", "{:.2f}"),
-           ("mfu", "MFU", "{:.1%}"), ("peak_GiB", "peak GiB", "{:.2f}"),
-           ("reserved_GiB", "reserved GiB", "{:.2f}"),
-           ("first_step_s", "1st step s", "{:.1f}"), ("mask_ms", "mask ms", "{:.1f}"),
-           ("device_idle_ms", "GPU idle ms", "{:.1f}"),
-           ("loss_step1", "loss@1", "{:.4f}"), ("a_over_this", "a / this", "{:.2f}x"), ("backends", "backends", "{}")]
+# (row key, header, format, meaningful on a GPU only, legend line): a table on a CPU leaves the GPU-only
+# columns out, any table the columns no timed row fills; the legend explains the columns shown.
+COLUMNS = [
+    ("preset", "preset", "{}", False, ""),
+    ("group", "group", "{}", False, ""),
+    ("tok_s", "tokens/s", "{:,.0f}", False, "target tokens of the batch per second of training step (the trainer's "
+     "tokens/s)"),
+    ("ms_step", "ms/step", "{:.1f}", False, "mean wall time of one timed training step"),
+    ("model_TFLOP_step", "TFLOP/step", "{:.2f}", True, "model FLOPs of one step: target forward, drafter forward "
+     "and backward, LM head, attention over the visible pairs (trainer/flops.py)"),
+    ("mfu", "MFU", "{:.1%}", True, "model FLOPs / time / {peak} TFLOP/s (an H100 / H200 SXM's dense bf16 peak)"),
+    ("peak_GiB", "peak GiB", "{:.2f}", True, "most device memory allocated during the timed steps"),
+    ("reserved_GiB", "reserved GiB", "{:.2f}", True, "most device memory the caching allocator held (CUDA graph "
+     "pools included)"),
+    ("first_step_s", "1st step s", "{:.1f}", False, "the first step's seconds, compilation and tuning included"),
+    ("mask_ms", "mask ms", "{:.1f}", True, "(b)'s flex BlockMask build per step"),
+    ("device_idle_ms", "GPU idle ms", "{:.1f}", True, "step time less the profiled device time per step: the GPU "
+     "waiting for the host (--profile)"),
+    ("loss_step1", "loss@1", "{:.4f}", False, "the first step's loss: every row starts from the same drafter and "
+     "batch, so the losses agree when the backends compute the same thing"),
+    ("a_over_this", "a / this", "{:.2f}x", False, "group (a)'s tokens/s over this row's: how many times faster (a) "
+     "is (above 1x: (a) is faster)"),
+    ("backends", "backends", "{}", False, ""),
+]
 
 
-def format_table(rows) -> str:
+def _empty(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def table_columns(rows, gpu: bool = True) -> list:
+    """The :data:`COLUMNS` entries a table of ``rows`` shows: preset and group, then those that mean something
+    on the device (``gpu``) and that some timed row fills."""
+    timed = [r for r in rows if "skipped" not in r and "error" not in r]
+    return [c for c in COLUMNS if c[0] in ("preset", "group") or
+            ((gpu or not c[3]) and any(not _empty(r.get(c[0])) for r in timed))]
+
+
+def format_table(rows, gpu: bool = True) -> str:
+    """The rows as a text table (the columns of :func:`table_columns`), then the notes (skipped and failed
+    rows, peers missing, the (b+) row) and a legend line per column that needs one."""
+    from trainer.flops import PEAK_BF16_FLOPS
+
+    cols = table_columns(rows, gpu)
+
     def cell(r, key, fmt):
         v = r.get(key)
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "-"
-        return fmt.format(v)
+        return "-" if _empty(v) else fmt.format(v)
 
-    body = [[h for _, h, _ in COLUMNS]]
+    body = [[c[1] for c in cols]]
     notes = []
     for r in rows:
         if "skipped" in r or "error" in r:
-            body.append([r["preset"], r["group"]] + ["-"] * (len(COLUMNS) - 2))
+            body.append([r["preset"], r["group"]] + ["-"] * (len(cols) - 2))
             notes.append(f"{r['preset']} {r['group']}: {'skipped: ' + r['skipped'] if 'skipped' in r else 'error: ' + r['error']}")
         else:
-            body.append([cell(r, k, f) for k, _, f in COLUMNS])
+            body.append([cell(r, key, fmt) for key, _, fmt, _, _ in cols])
             if r.get("note"):
                 notes.append(f"{r['preset']} {r['group']}: {r['note']}")
             if r.get("b_plus_best"):
                 notes.append(f"{r['preset']} (b+), the fastest peer stack of this run: {r['group']}")
-    widths = [max(len(b[i]) for b in body) for i in range(len(COLUMNS))]
+    widths = [max(len(b[i]) for b in body) for i in range(len(cols))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
     lines.insert(1, "-|-".join("-" * w for w in widths))
-    return "\n".join(lines + notes)
+    legend = [f"  {header}: {text.format(peak=f'{PEAK_BF16_FLOPS / 1e12:.0f}')}"
+              for _, header, _, _, text in cols if text]
+    return "\n".join(lines + notes + ([""] + ["columns:"] + legend if legend else []))
+
+
+def row_line(row: dict, verbose: bool = False) -> str:
+    """What a finished row prints: its full record with ``verbose``, else its speed (or why it has none)."""
+    if verbose:
+        return f"    {row}"
+    if "skipped" in row or "error" in row:
+        return f"    {row['group']}: {'skipped: ' + row['skipped'] if 'skipped' in row else 'error: ' + row['error']}"
+    nan, first = float("nan"), row.get("first_step_s")
+    return (f"    {row['group']}: {row.get('tok_s', nan):,.0f} tokens/s, {row.get('ms_step', nan):.1f} ms/step"
+            + (f" (first step {first:.1f}s)" if first is not None else ""))
 
 
 def env_info() -> dict:
@@ -1033,7 +1023,7 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump({**info, "rows": rows}, f, indent=1)
         return rows
-    log("\n" + format_table(rows))
+    log("\n" + format_table(rows, gpu=want_cuda))
     if want_cuda and not args.no_record:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "a") as f:

@@ -44,8 +44,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def default_paths(cache_dir: str = DEFAULT_CACHE) -> dict:
-    root = os.path.join(cache_dir, "embedded")
+def default_paths(cache_dir: str = DEFAULT_CACHE, name: str = "embedded") -> dict:
+    """The files of built-in target ``name`` under ``cache_dir`` (``tiny``: :mod:`trainer.random_target`)."""
+    root = os.path.join(cache_dir, name)
     return {"root": root, "target": os.path.join(root, "target"), "train": os.path.join(root, "train.jsonl"),
             "eval_prompts": os.path.join(root, "eval_prompts.jsonl"), "build": os.path.join(root, "build.json")}
 
@@ -120,6 +121,29 @@ def route_kernels(model, device: torch.device, log=print):
     return routing
 
 
+class Progress:
+    """Progress lines of a long loop: after its first and last item and every ``every_s`` seconds between,
+    each with the loop's elapsed time and an ETA from its mean time per item so far."""
+
+    def __init__(self, log, what: str, total: int, every_s: float = 10.0):
+        self.log, self.what, self.total, self.every_s = log, what, total, every_s
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, done: int, extra: str = "") -> None:
+        now = time.perf_counter()
+        if done not in (1, self.total) and now - self.last < self.every_s:
+            return
+        self.last = now
+        elapsed = now - self.t0
+        eta = elapsed / done * (self.total - done)
+        self.log(f"build_default: {self.what} {done}/{self.total}{extra} ({elapsed:.0f}s, ETA {_clock(eta)})")
+
+
+def _clock(seconds: float) -> str:
+    s = int(max(seconds, 0) + 0.5)
+    return f"{s // 60}:{s % 60:02d}"
+
+
 def _chunks(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
     n = ids.numel() // seq_len
     return ids[: n * seq_len].view(n, seq_len)
@@ -140,8 +164,12 @@ def _eval_loss(model, chunks, batch):
 
 def build(out_root: str, steps: int, vocab_size: int = 4096, seq_len: int = 256, batch: int = 8,
           n_train: int = 256, n_eval: int = 32, prompt_len: int = 48, gen_len: int = 112, seed: int = 0,
-          device=None, log=print) -> dict:
-    """Train the tokenizer and target, regenerate the data, publish to ``out_root`` (see the module doc)."""
+          device=None, log=print, progress_s: float = 10.0) -> dict:
+    """Train the tokenizer and target, regenerate the data, publish to ``out_root`` (see the module doc).
+
+    ``log`` gets a line before each of the four stages and, in the two long ones (training the target,
+    regenerating the data), a progress line every ``progress_s`` seconds with the stage's ETA.
+    """
     from transformers import Qwen3_5ForCausalLM
 
     device = resolve_build_device(device)
@@ -151,6 +179,8 @@ def build(out_root: str, steps: int, vocab_size: int = 4096, seq_len: int = 256,
     # Every 10th file is held out: tokenizer and target never see it; prompts come from those files.
     train_files = [f for i, f in enumerate(files) if i % 10]
     held_files = [f for i, f in enumerate(files) if not i % 10]
+    log(f"build_default: [1/4] tokenizer: a {vocab_size}-token byte-level BPE from {len(train_files)} files of "
+        f"the Python standard library, then the files tokenized ...")
     train_texts = [read(f) for f in train_files]
     tok = train_tokenizer(train_texts, vocab_size)
     eos = tok.eos_token_id
@@ -171,6 +201,8 @@ def build(out_root: str, steps: int, vocab_size: int = 4096, seq_len: int = 256,
 
     cfg = target_config(len(tok))
     model = Qwen3_5ForCausalLM(cfg).to(device)
+    log(f"build_default: [2/4] target: a {cfg.num_hidden_layers}-layer Qwen3.5 hybrid (hidden {cfg.hidden_size}), "
+        f"{steps} training steps of {batch} x {seq_len} tokens on {device}, its held-out loss before and after ...")
     routing = route_kernels(model, device, log)
     try:
         model.train()
@@ -182,6 +214,8 @@ def build(out_root: str, steps: int, vocab_size: int = 4096, seq_len: int = 256,
             else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / max(steps - warm, 1))))
         g = torch.Generator().manual_seed(seed)
         loss_start = _eval_loss(model, held_chunks, batch)
+        log(f"build_default: held-out loss before training {loss_start:.3f} ({time.time() - t0:.0f}s)")
+        progress = Progress(log, "target step", steps, progress_s)
         for step in range(steps):
             idx = torch.randint(0, train_chunks.shape[0], (batch,), generator=g).to(device)
             x = train_chunks[idx]
@@ -191,8 +225,7 @@ def build(out_root: str, steps: int, vocab_size: int = 4096, seq_len: int = 256,
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            if step % 25 == 0 or step == steps - 1:
-                log(f"build_default: target step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
+            progress(step + 1, f" loss {loss.item():.3f}")
         loss_end = _eval_loss(model, held_chunks, batch)
         model.eval()
         log(f"build_default: held-out loss {loss_start:.3f} -> {loss_end:.3f} nats/token "
@@ -208,14 +241,19 @@ def build(out_root: str, steps: int, vocab_size: int = 4096, seq_len: int = 256,
         prompts = [held_ids[i * stride: i * stride + prompt_len] for i in range(n_prompts)]
         records = []
         model.to(device)
+        log(f"build_default: [3/4] data: {n_train} responses of {gen_len} tokens generated greedily by the target "
+            f"from held-out prompts, in batches of 32 ...")
+        progress = Progress(log, "regenerated batch", (n_train + 31) // 32, progress_s)
         for i in range(0, n_train, 32):
             batch_prompts = torch.stack(prompts[i:min(i + 32, n_train)]).to(device)
             gen = model.generate(batch_prompts, attention_mask=torch.ones_like(batch_prompts), max_new_tokens=gen_len,
                                  do_sample=False, pad_token_id=cfg.pad_token_id, eos_token_id=None)
             for row in gen.tolist():
                 records.append({"input_ids": row, "loss_mask": [0] * prompt_len + [1] * (len(row) - prompt_len)})
-            log(f"build_default: regenerated {len(records)}/{n_train} responses ({time.time() - t0:.0f}s)")
-        paths = default_paths(os.path.dirname(out_root))
+            progress(i // 32 + 1, f" ({len(records)}/{n_train} responses)")
+        log(f"build_default: [4/4] publishing the target, {len(records)} training records and {n_eval} held-out "
+            "prompts")
+        paths = default_paths(os.path.dirname(out_root), os.path.basename(out_root))
         with open(paths["train"] + ".tmp", "w") as f:
             for r in records:
                 f.write(json.dumps(r) + "\n")
@@ -254,8 +292,14 @@ def ensure(cache_dir: str = DEFAULT_CACHE, steps: int = 150, force: bool = False
     """
     paths = default_paths(cache_dir)
     if force or not os.path.exists(paths["build"]):
+        where = resolve_build_device(device)
+        log(f"build_default: the embedded default target is {'rebuilt' if force else 'not built yet'}: building it "
+            f"into {paths['root']} on {where} (once; minutes on a CPU, less on a GPU; python -m "
+            f"trainer.build_default does the same; --preset tiny needs no build)")
         os.makedirs(paths["root"], exist_ok=True)
         build(paths["root"], steps, device=device, log=log, **sizes)
+    else:
+        log(f"embedded default target: {paths['root']}")
     return paths
 
 

@@ -18,16 +18,23 @@ __all__ = ["resolve_paths", "resolve_device", "build_drafter", "lr_lambda", "cur
 
 
 def resolve_paths(cfg: TrainConfig, log=print) -> TrainConfig:
-    """Fill the embedded default's target / data / prompts where the config leaves them empty.
+    """Fill the built-in target's (``cfg.builtin_target``) target / data / prompts where the config leaves
+    them empty.
 
-    The default is built first when missing: on the config's device when one is named, else on a GPU
-    when there is one (see :func:`trainer.build_default.ensure`).
+    ``"tiny"``: a random tiny target and its data, built in seconds (:func:`trainer.random_target.ensure_tiny`).
+    ``"embedded"``: the embedded default, built first when missing (minutes on a CPU): on the config's device
+    when one is named, else on a GPU when there is one (see :func:`trainer.build_default.ensure`).
     """
     if cfg.target and cfg.data:
         return cfg
-    from trainer.build_default import ensure
+    if cfg.builtin_target == "tiny":
+        from trainer.random_target import ensure_tiny
 
-    paths = ensure(cfg.cache_dir, device=None if cfg.device == "auto" else cfg.device, log=log)
+        paths = ensure_tiny(cfg.cache_dir, log=log)
+    else:
+        from trainer.build_default import ensure
+
+        paths = ensure(cfg.cache_dir, device=None if cfg.device == "auto" else cfg.device, log=log)
     return dataclasses.replace(cfg, target=cfg.target or paths["target"], data=cfg.data or paths["train"],
                                eval_prompts=cfg.eval_prompts or paths["eval_prompts"])
 

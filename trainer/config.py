@@ -5,12 +5,19 @@ Values follow DFlash as published and as SpecForge trains it (block 16, 512 anch
 """
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import io
 import json
 import os
+import re
+import textwrap
+import tokenize
 from dataclasses import dataclass, field
 
-__all__ = ["TrainConfig", "PRESETS", "preset", "default_target_layer_ids", "add_cli_args", "from_cli", "check_betas"]
+__all__ = ["TrainConfig", "PRESETS", "PRESET_HELP", "preset", "default_target_layer_ids", "add_cli_args", "from_cli",
+           "check_betas", "field_docs", "cli_value", "default_help"]
 
 DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "dflash_trainer")
 
@@ -18,6 +25,7 @@ DEFAULT_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser
 LOSS_PATHS = ("fused", "logits", "chunked")  # TrainConfig.loss
 COMPUTE_WEIGHTS = ("auto", "autocast", "copies")  # TrainConfig.compute_weights
 TARGET_GRAPHS = ("auto", "on", "off")  # TrainConfig.target_cuda_graphs and step_cuda_graphs
+BUILTIN_TARGETS = ("embedded", "tiny")  # TrainConfig.builtin_target
 
 
 def check_betas(betas, name: str = "betas") -> tuple:
@@ -42,78 +50,77 @@ def _graphs_on(setting: str, auto: bool) -> bool:
 
 @dataclass
 class TrainConfig:
-    # --- target and data ---
-    target: str = ""  # local HF causal-LM folder; "" = the embedded default (python -m trainer.build_default)
-    data: str = ""  # JSONL: chat conversations ("messages") or pre-tokenized ("input_ids", "loss_mask"); "" = default
-    eval_prompts: str = ""  # JSONL of held-out prompts for trainer.eval; "" = the embedded default's
-    out_dir: str = "runs/dflash"  # checkpoints, the drafter folder and metrics.jsonl go here
+    # Each field's comment is also its flag's --help (field_docs reads them): the trailing comment, else the
+    # comment lines right above the field. A "--- title: description ---" line opens the flags' group.
+    # --- data: the target, its training data and how records become sequences ---
+    target: str = ""  # local HF causal-LM folder; "" = the built-in target that builtin_target names
+    # what an empty target / data / eval_prompts stands for: "embedded" (a small hybrid trained on the Python
+    # stdlib by python -m trainer.build_default, once: minutes on a CPU) or "tiny" (a random tiny hybrid: seconds)
+    builtin_target: str = "embedded"
+    data: str = ""  # JSONL: chat conversations ("messages") or pre-tokenized ("input_ids", "loss_mask"); "" = built-in
+    eval_prompts: str = ""  # JSONL of held-out prompts for trainer.eval; "" = the built-in target's
+    cache_dir: str = DEFAULT_CACHE  # where the built-in targets are built and found again
     max_len: int = 3072  # tokens per sequence; longer records are truncated, shorter ones padded
     pack: bool = False  # concatenate records into rows of max_len (per-document ids; see trainer/data.py)
-    # --- DFlash ---
+    # --- model: the DFlash drafter (its hidden size and vocabulary come from the target) ---
     block_size: int = 16  # draft block: position 0 the anchor token, 1..block_size-1 mask tokens
     num_anchors: int = 512  # anchors (draft blocks) per sequence, capped by the valid positions
     gamma: float = 7.0  # loss weight of block position j is exp(-(j - 1) / gamma)
-    mask_token_id: int | None = None  # None: tokenizer's mask token, else its pad token, else vocab - 1
+    mask_token_id: int | None = None  # unset: the tokenizer's mask token, else its pad token, else vocab - 1
     num_target_layers: int = 5  # k target hidden states concatenated into the drafter's features
-    target_layer_ids: list[int] | None = None  # decoder-layer indices (0-based); None = k spaced from 1 to L-3
-    # --- drafter architecture (hidden size, vocab come from the target) ---
+    target_layer_ids: list[int] | None = None  # decoder-layer indices (0-based); unset = k spaced from 1 to L-3
     num_layers: int = 5  # drafter decoder layers
     num_sliding_layers: int = 2  # the first this many layers see only `sliding_window` context tokens
     sliding_window: int = 2048  # context window of the sliding layers
     num_heads: int = 32  # query heads; head_dim * num_heads need not equal the hidden size
     num_kv_heads: int = 8  # key/value heads (GQA)
     head_dim: int = 128  # 64, 128 or 256 (the attention kernel's head dims)
-    intermediate_size: int | None = None  # SwiGLU width; None = the target's
+    intermediate_size: int | None = None  # SwiGLU width; unset = the target's
     rope_theta: float = 1_000_000.0  # RoPE base
     rms_norm_eps: float = 1e-6  # RMSNorm epsilon
-    # --- optimisation ---
+    # --- optimizer: steps, learning-rate schedule and AdamW ---
     batch_size: int = 1  # sequences per step
-    steps: int = 0  # optimiser steps; 0 = epochs * steps per epoch
+    steps: int = 0  # optimizer steps; 0 = epochs * steps per epoch
     epochs: int = 6  # passes over the data when steps == 0
     lr: float = 6e-4  # peak learning rate (AdamW)
     warmup_ratio: float = 0.04  # linear warm-up over this fraction of the steps, then cosine to min_lr_ratio
     min_lr_ratio: float = 0.0  # final lr / peak lr
     weight_decay: float = 0.0  # AdamW weight decay
-    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW betas, two numbers in [0, 1)
     grad_clip: float = 1.0  # max global gradient norm; <= 0: no clipping (the norm is still logged)
-    # LM head + loss: "fused" = dflash_kernels.linear_cross_entropy (the logits never exist; frozen
-    # head: no weight-gradient GEMM); "logits" = the whole [rows, vocab] logits then torch's
-    # cross-entropy (the path of a trainer without the library); "chunked" = plain torch in row chunks
-    # (trainer.loss.dflash_head_loss), a reference for the fused op.
-    loss: str = "fused"
-    # The drafter's matrix weights in the compute dtype: "autocast" = fp32 masters cast by autocast in every
-    # forward (and the gradients cast back); "copies" = bf16 copies the forward runs with, written by the
-    # optimizer step (trainer/compute_weights.py; the single-process loop only); "auto" = "copies" for the
-    # single-process loop on a CUDA device in a 16-bit dtype, else "autocast" (compute_weights_for). On the
-    # H200 (tok_s (m) against (a), 2026-12-03, alternating, after the AdamW tuning fix): real 133.8 -> 131.4 ms
-    # per step (copies/casts 4.8 -> 2.4 ms), the same loss curve (embedded, 128 steps), +1.2 GiB reserved.
-    compute_weights: str = "auto"
-    # The frozen target's feature forward replayed as CUDA graphs (Target.use_cuda_graphs): "auto" = for a
-    # target on a CUDA device (never slower in four A/Bs on the H200, 2026-12-02: the host's launches of the
-    # target's many small kernels leave the step), "on" = required (refused off CUDA), "off" = eager.
-    # True / False (configs saved before "auto") read as "on" / "off".
-    target_cuda_graphs: str = "auto"
-    # The drafter's forward, backward, clip and AdamW step recorded as one CUDA graph per batch shape and
-    # replayed (trainer.step_graph; the single-process loop; the pipeline steps eagerly): "auto" = for a
-    # drafter on a CUDA device (either compute_weights), "on" = required (refused where it cannot
-    # run), "off" = eager. Packed batches always step eagerly. On the H200 (tok_s, 2026-12-03): embedded
-    # 30.0 -> 4.4 ms per step (the host's launches were 87% of it), real 137.5 -> 136.8 ms.
-    step_cuda_graphs: str = "auto"
     seed: int = 0  # model init, data order and anchor sampling
-    # --- runtime ---
+    # --- runtime: devices, precision and the step's code paths ---
     device: str = "auto"  # "auto" = cuda if available else cpu
     dtype: str = "auto"  # compute dtype: "auto" = bfloat16 on GPU, float32 on CPU
+    # LM head + loss: "fused" = dflash_kernels.linear_cross_entropy (the logits never exist), "logits" = whole
+    # logits then torch's cross-entropy, "chunked" = plain torch in row chunks (a reference for the fused op)
+    loss: str = "fused"
+    # The drafter's matrix weights in the compute dtype: "autocast" = fp32 masters cast by autocast in every
+    # forward (and the gradients cast back); "copies" = 16-bit copies the forward runs with, written by the
+    # optimizer step (trainer/compute_weights.py; the single-process loop only): no per-forward casts, at the
+    # cost of the copies' memory; "auto" = "copies" for the single-process loop on a CUDA device in a 16-bit
+    # dtype, else "autocast" (compute_weights_for).
+    compute_weights: str = "auto"  # "auto", "autocast" (fp32 weights cast every forward) or "copies" (16-bit copies)
+    # The frozen target's feature forward replayed as CUDA graphs (Target.use_cuda_graphs): its many small
+    # kernels then cost no host launches in the step. True / False (configs saved before "auto") read as
+    # "on" / "off".
+    target_cuda_graphs: str = "auto"  # target forward as CUDA graphs: "auto" (on CUDA), "on" (required), "off"
+    # The drafter's forward, backward, clip and AdamW step recorded as one CUDA graph per batch shape and
+    # replayed (trainer.step_graph; the single-process loop; the pipeline steps eagerly): the host's launches
+    # leave the step. Packed batches always step eagerly. "on" is refused where it cannot run.
+    step_cuda_graphs: str = "auto"  # drafter step as CUDA graphs: "auto" (on CUDA), "on" (required), "off"
+    # --- run folder: where the run writes, and how often ---
+    out_dir: str = "runs/dflash"  # checkpoints, the drafter folder, metrics.jsonl and train.log go here
     log_interval: int = 10  # steps between log lines
     save_interval: int = 500  # steps between checkpoints (and one at the end)
-    cache_dir: str = DEFAULT_CACHE  # where the embedded default is built and found
-    # --- threaded pipeline (trainer/pipeline.py; used when either GPU list is given) ---
+    # --- pipeline: the threaded pipeline (trainer/pipeline.py), used when either GPU list is given ---
     target_gpus: str = ""  # target workers: "0-4", "0,1", "cpu" or "cpu:N"; "" = the single-process loop
     drafter_gpus: str = ""  # drafter replicas, same syntax; "" = the target's list
     queue_depth: int = 2  # feature batches waiting per (target worker, drafter replica) pair
     watchdog_s: float = 600.0  # no training progress for this long: dump all thread stacks and exit 3; 0 = off
     watchdog_setup_s: float = 1800.0  # the same limit before training starts (model load, kernel tuning)
     stop_grace_s: float = 20.0  # after a worker fails, how long the others get to stop before a forced exit
-    extra: dict = field(default_factory=dict)  # free-form notes saved with the config
+    extra: dict = field(default_factory=dict)  # free-form notes saved with the config (no flag)
 
     def __post_init__(self):
         for name in ("target_cuda_graphs", "step_cuda_graphs"):
@@ -125,6 +132,8 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected one of {TARGET_GRAPHS}, got {value!r}")
         if self.compute_weights not in COMPUTE_WEIGHTS:
             raise ValueError(f"compute_weights: expected one of {COMPUTE_WEIGHTS}, got {self.compute_weights!r}")
+        if self.builtin_target not in BUILTIN_TARGETS:
+            raise ValueError(f"builtin_target: expected one of {BUILTIN_TARGETS}, got {self.builtin_target!r}")
         if self.loss not in LOSS_PATHS:
             raise ValueError(f"loss: unknown {self.loss!r}; choose one of {list(LOSS_PATHS)}")
         self.betas = check_betas(self.betas)
@@ -183,15 +192,18 @@ def default_target_layer_ids(num_target_layers: int, k: int) -> list[int]:
 
 
 PRESETS = {
-    # Published DFlash shapes (a Qwen3-8B-sized target on an H200).
     "default": TrainConfig(),
-    # The embedded default target (python -m trainer.build_default): small, trains on one GPU in minutes.
     "embedded": TrainConfig(max_len=512, num_anchors=64, num_heads=4, num_kv_heads=2, head_dim=64,
                             sliding_window=256, batch_size=8, epochs=4, log_interval=20, save_interval=200),
-    # CPU tests: a few seconds per step on the reference backends.
-    "tiny": TrainConfig(max_len=64, num_anchors=4, num_layers=2, num_sliding_layers=1, sliding_window=24,
-                        num_heads=2, num_kv_heads=1, head_dim=64, num_target_layers=2, batch_size=2, steps=8,
-                        lr=3e-3, warmup_ratio=0.25, log_interval=1, save_interval=4, device="cpu"),
+    "tiny": TrainConfig(builtin_target="tiny", max_len=64, num_anchors=4, num_layers=2, num_sliding_layers=1,
+                        sliding_window=24, num_heads=2, num_kv_heads=1, head_dim=64, num_target_layers=2, batch_size=2,
+                        steps=8, lr=3e-3, warmup_ratio=0.25, log_interval=1, save_interval=4, device="cpu"),
+}
+# What each preset is for (the --preset help).
+PRESET_HELP = {
+    "default": "the published DFlash shapes, for a Qwen3-8B-sized --target on a GPU",
+    "embedded": "sized for the embedded default target: minutes on one GPU",
+    "tiny": "a random tiny target and data built in seconds: a first run on a CPU",
 }
 
 
@@ -201,23 +213,98 @@ def preset(name: str, **overrides) -> TrainConfig:
     return dataclasses.replace(PRESETS[name], **overrides)
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """One ``--field`` flag per config field (``--preset`` picks the base values)."""
-    parser.add_argument("--preset", default=None, help=f"base values: {sorted(PRESETS)} (default: embedded when "
-                        "--target is not given, else default)")
+_GROUP_LINE = re.compile(r"---\s*(?P<title>[^:]+?)\s*(?::\s*(?P<description>.*?))?\s*---")
+
+
+def field_docs(cls=None) -> tuple[dict, dict]:
+    """``({field: (group title, help)}, {group title: description})`` read from the comments in the body
+    of ``cls`` (default :class:`TrainConfig`), so the code's readers and ``--help`` share one text: a
+    field's help is its trailing comment, else the comment lines right above it (a blank line or a group
+    line ends those); its group is the last ``# --- title: description ---`` line above it."""
+    cls = cls or TrainConfig
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source shipped (a frozen build): flags without help
+        return {f.name: ("options", "") for f in dataclasses.fields(cls)}, {}
+    lines = src.splitlines()
+    comments = {}  # line number -> (text, the line holds only the comment)
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            row, col = tok.start
+            comments[row] = (tok.string.lstrip("#").strip(), not lines[row - 1][:col].strip())
+    docs, groups, group, prev_end = {}, {}, "options", 1
+    for node in ast.parse(src).body[0].body:
+        above = []
+        for row in range(prev_end + 1, node.lineno):
+            text, alone = comments.get(row, ("", False))
+            m = _GROUP_LINE.fullmatch(text) if alone else None
+            if m:
+                group, above = m["title"], []
+                groups[group] = m["description"] or ""
+            elif alone:
+                above.append(text)
+            else:
+                above = []
+        prev_end = node.end_lineno
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            trailing = [comments[r][0] for r in range(node.lineno, node.end_lineno + 1)
+                        if r in comments and not comments[r][1]]
+            docs[node.target.id] = (group, " ".join(trailing) or " ".join(above))
+    return docs, groups
+
+
+def cli_value(value) -> str:
+    """A config value as a flag takes it (lists comma-separated, booleans on / off)."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "unset"
+    if value == "":
+        return '""'
+    if isinstance(value, (list, tuple)):
+        return ",".join(cli_value(v) for v in value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def default_help(name: str) -> str:
+    """``default: V`` (the ``default`` preset's value), then each other preset's value where it differs."""
+    base = getattr(PRESETS["default"], name)
+    others = [f"{p}: {cli_value(getattr(c, name))}" for p, c in PRESETS.items()
+              if p != "default" and getattr(c, name) != base]
+    return f"default: {cli_value(base)}" + (f"; {', '.join(others)}" if others else "")
+
+
+_METAVARS = {int: "N", float: "X", str: "STR"}  # short: a flag and its metavar then leave room for the help
+
+
+def _list_arg(text: str) -> list:
+    return [float(x) if "." in x else int(x) for x in text.split(",")]
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> dict:
+    """``--preset`` and one ``--field`` flag per config field, in argument groups; each flag's help is the
+    field's comment (:func:`field_docs`) and its default. Returns ``{group title: argument group}``."""
+    docs, titles = field_docs()
+    groups = {title: parser.add_argument_group(title, description or None) for title, description in titles.items()}
+    names = ", ".join(f"{name} ({text})" for name, text in PRESET_HELP.items())
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS), metavar="NAME",
+                        help=f"the values the flags below start from: {names} (default: embedded without --target, "
+                        "else default; each flag's help names the presets' values)")
     for f in dataclasses.fields(TrainConfig):
+        if f.name == "extra":
+            continue
+        title, text = docs.get(f.name, ("options", ""))
+        group = groups[title] if title in groups else parser
         flag = "--" + f.name.replace("_", "-")
-        if f.name in ("extra",):
-            continue
+        help_text = (f"{text} ({default_help(f.name)})" if text else f"({default_help(f.name)})").replace("%", "%%")
         if f.type is bool:
-            parser.add_argument(flag, action="store_true", default=None)
-            continue
-        if f.name in ("target_layer_ids", "betas"):
-            parser.add_argument(flag, type=lambda s: [float(x) if "." in x else int(x) for x in s.split(",")],
-                                default=None, help="comma-separated")
-            continue
-        typ = f.type if f.type in (int, float, str) else int if f.type == (int | None) else str
-        parser.add_argument(flag, type=typ, default=None)
+            group.add_argument(flag, action="store_true", default=None, help=help_text)
+        elif f.name in ("target_layer_ids", "betas"):
+            group.add_argument(flag, type=_list_arg, default=None, metavar="A,B,..", help=help_text)
+        else:
+            typ = f.type if f.type in (int, float, str) else int if f.type == (int | None) else str
+            group.add_argument(flag, type=typ, default=None, metavar=_METAVARS[typ], help=help_text)
+    return groups
 
 
 def from_cli(args: argparse.Namespace) -> TrainConfig:

@@ -117,19 +117,22 @@ def load_prompts(path: str, tokenizer, limit: int | None = None) -> list[torch.T
 
 def main(argv=None):
     from trainer.build_default import default_paths
-    from trainer.config import DEFAULT_CACHE
+    from trainer.config import BUILTIN_TARGETS, DEFAULT_CACHE
 
     p = argparse.ArgumentParser(description="Acceptance length of a DFlash drafter (block speculative decoding).")
     p.add_argument("--drafter", default="runs/dflash/drafter", help="HF-style drafter folder (trainer.train output)")
-    p.add_argument("--target", default="", help="target folder (default: the embedded default)")
-    p.add_argument("--prompts", default="", help="held-out prompts JSONL (default: the embedded default's)")
+    p.add_argument("--target", default="", help="target folder (default: the built-in target --builtin-target names)")
+    p.add_argument("--prompts", default="", help="held-out prompts JSONL (default: the built-in target's)")
+    p.add_argument("--builtin-target", default="embedded", choices=BUILTIN_TARGETS,
+                   help="the built-in target a drafter trained without --target was trained on: embedded (default) "
+                   "or tiny (trainer.train --preset tiny)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--cache-dir", default=DEFAULT_CACHE)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of the untrained drafter")
     a = p.parse_args(argv)
-    paths = default_paths(a.cache_dir)
+    paths = default_paths(a.cache_dir, a.builtin_target)
     dev = torch.device("cuda" if a.device == "auto" and torch.cuda.is_available() else
                        ("cpu" if a.device == "auto" else a.device))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

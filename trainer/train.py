@@ -1,6 +1,7 @@
 """Train a DFlash drafter against a frozen target.
 
-    python -m trainer.train                        # the embedded default (built on first use)
+    python -m trainer.train --preset tiny          # a first run: a random tiny target, seconds on a CPU
+    python -m trainer.train                        # the embedded default (built on first use: minutes on a CPU)
     python -m trainer.train --target DIR --data train.jsonl --out-dir runs/x
     python -m trainer.train ... --resume           # continue from OUT_DIR/checkpoint.pt
     python -m trainer.train ... --overwrite        # start over in an OUT_DIR that holds an earlier run
@@ -58,7 +59,7 @@ from trainer.supervise import StopRequest, fault_point, get_log, install_signal_
 from trainer.target import load_target, resolve_mask_token_id  # noqa: E402
 
 __all__ = ["train", "build_drafter", "resolve_paths", "resolve_device", "lr_lambda", "forward_loss", "main",
-           "add_run_flags"]
+           "add_run_flags", "build_parser"]
 
 
 def _precompile(cfg: TrainConfig, drafter, opt, dev, dtype, log):
@@ -67,6 +68,8 @@ def _precompile(cfg: TrainConfig, drafter, opt, dev, dtype, log):
     specs = list(attention_precompile_specs(cfg, drafter.config, dtype))
     if hasattr(opt, "precompile_specs"):  # trainer.compute_weights.MasterAdamW (dflash_kernels' AdamW)
         specs += opt.precompile_specs(cfg.grad_clip)
+    log(f"precompile: the {len(specs)} kernels of this run's shapes on {dev}, compiled and tuned (once per GPU model "
+        f"and shape; minutes the first time) or found in the cache ...")
     rep = dk.precompile(specs, devices=[dev])
     log(f"precompile: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")
 
@@ -95,6 +98,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         check_resume_config(saved["config"], cfg.to_dict(), allow_change=allow_config_change, path=resume_from,
                             log=log)
     log(f"config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
+    log(f"target: loading {cfg.target} on {dev} ({dtype}) ...")
     target = load_target(cfg.target, cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype,
                          gdn_layers=cfg.target_graphs_on(dev))
     if cfg.target_graphs_on(target.device):
@@ -103,6 +107,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     mask_id = resolve_mask_token_id(tok, target.vocab_size, cfg.mask_token_id)
     log(f"target: {cfg.target}: {target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}, "
         f"layers {target.layer_ids}, mask token {mask_id}")
+    log(f"data: reading and tokenizing {cfg.data} ...")
     ds = load_jsonl(cfg.data, tok, cfg.max_len, cfg.block_size, vocab_size=target.vocab_size, log=log,
                     pack=cfg.pack)
     drafter = build_drafter(cfg, target, mask_id).to(dev)
@@ -132,6 +137,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         _precompile(cfg, drafter, opt, dev, dtype, log)
         # The target's own kernels (Gated DeltaNet, conv of a hybrid) are compiled by one real
         # forward/backward before strict mode; its gradients are dropped and nothing is stepped.
+        log("warm-up step: one forward and backward (no update) compiles the target's own kernels ...")
         t0 = time.perf_counter()
         before = len(dk.cache_info())
         batch = batch_at(ds, step, cfg.batch_size, cfg.max_len, cfg.num_anchors, cfg.block_size, cfg.seed, pad_id)
@@ -152,6 +158,7 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     def count_flops(batch):  # the step's model TFLOP (trainer.flops), from the host's batch: no synchronization
         return step_flops(target.model, drafter, batch, target.layers_run)["total"] / 1e12
 
+    log(f"training: steps {step + 1} to {total}, a log line every {cfg.log_interval}")
     tty = sys.stderr.isatty()
     drafter.train()
     t_start, window = time.perf_counter(), []
@@ -212,15 +219,16 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
     return history
 
 
-def add_run_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that say how this invocation treats OUT_DIR (not part of the saved config)."""
-    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+def add_run_flags(p) -> None:
+    """The flags that say how this invocation treats OUT_DIR (not part of the saved config); ``p`` is a parser
+    or an argument group."""
+    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt (default: off)")
     p.add_argument("--overwrite", action="store_true", help="start a new run in an OUT_DIR that holds an earlier "
                    "one: its checkpoint and drafter folder are deleted at once, its metrics.jsonl kept as "
-                   "metrics.replaced-<n>.jsonl")
+                   "metrics.replaced-<n>.jsonl (default: off)")
     p.add_argument("--allow-config-change", action="store_true", help="resume although the config differs from "
                    "the checkpoint's in fields that decide what is trained: the new values (the optimizer's and the "
-                   "schedule's included) apply from the saved step on, and the differences are logged")
+                   "schedule's included) apply from the saved step on, and the differences are logged (default: off)")
 
 
 def _single_process(cfg: TrainConfig, args) -> None:
@@ -239,14 +247,24 @@ def _single_process(cfg: TrainConfig, args) -> None:
             signal.signal(s, h)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m trainer.train``'s flags: ``--preset``, one per config field in its group, and the run's own."""
+    p = argparse.ArgumentParser(prog="python -m trainer.train", usage="%(prog)s [--preset NAME] [options]",
+                                description="Train a DFlash drafter against a frozen target (see trainer/train.py). "
+                                "Without --target it trains on a built-in one: with --preset tiny a random tiny "
+                                "target (built in seconds: a first run on a CPU), else the embedded default (built "
+                                "once on first use: minutes on a CPU).")
+    groups = add_cli_args(p)
+    add_run_flags(groups["run folder"])
+    groups["run folder"].add_argument("--log-file", default=None, metavar="PATH", help="the run log (default: "
+                                      "OUT_DIR/train.log, train.rank<R>.log under torchrun)")
+    groups["runtime"].add_argument("--preflight", action="store_true", help="check devices, model, data and "
+                                   "kernels, print what was found and exit (0: all passed) (default: off)")
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Train a DFlash drafter (see trainer/train.py).")
-    add_cli_args(p)
-    add_run_flags(p)
-    p.add_argument("--preflight", action="store_true", help="check devices, model, data and kernels, print what "
-                   "was found and exit (0: all passed)")
-    p.add_argument("--log-file", default=None, help="the run log (default OUT_DIR/train.log, "
-                   "train.rank<R>.log under torchrun)")
+    p = build_parser()
     args = p.parse_args(argv)
     try:
         cfg = from_cli(args)

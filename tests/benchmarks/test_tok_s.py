@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -22,11 +23,18 @@ def test_cpu_tiny_run_prints_a_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "No CUDA device: a tiny configuration on the CPU" in out
+    assert "{'preset'" not in out  # the rows' records only with --verbose
+    assert "  tiny (a): 0 warm-up step(s), the shape pass, then 1 timed ..." in out
     table = out[out.index("preset | group"):].splitlines()
+    header = [c.strip() for c in table[0].split("|")]
+    assert header[:4] == ["preset", "group", "tokens/s", "ms/step"] and "a / this" in header
+    assert not {"MFU", "TFLOP/step", "GPU idle ms", "peak GiB", "mask ms"} & set(header), header  # GPU columns
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")] for line in table[2:5]}
     for label in ("(a) dflash_kernels", "(c) reference"):
         assert float(rows[label][2].replace(",", "")) > 0, table
     assert rows["(b) peers"][2] == "-" and "skipped" in out
+    legend = table[table.index("columns:") + 1:]
+    assert any(s.startswith("  a / this: group (a)'s tokens/s over this row's") for s in legend), legend
     import json
     recs = {r["group"]: r for r in json.loads(out_json.read_text())["rows"]}
     a, c = recs["(a) dflash_kernels"], recs["(c) reference"]
@@ -127,9 +135,9 @@ def test_profile_on_cpu_says_it_is_skipped():
 
 def test_kernel_times_leave_out_record_function_ranges():
     """A record_function range shows on the device timeline too (torch's ``Optimizer.step#AdamW.step``
-    around the fused AdamW kernel): counted, its kernels would count twice (the H200's 21:46 profile). A
+    around the fused AdamW kernel): counted, its kernels would count twice. A
     compiled Triton kernel named like its host-side launch record (flex attention's ``triton_tem_*``)
-    is a kernel and stays (the 22:45 profile lost (b)'s attention that way)."""
+    is a kernel and stays (else (b)'s attention would be lost)."""
     from types import SimpleNamespace as E
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
@@ -217,9 +225,85 @@ def test_table_shows_the_gpu_idle_time_of_profiled_rows():
     assert lines[2].split(" | ")[col].strip() == "22.7" and lines[3].split(" | ")[col].strip() == "-"
 
 
+def _rows(**extra):
+    base = dict(preset="tiny", tok_s=100.0, ms_step=1280.0, model_TFLOP_step=0.001, mfu=1e-6, peak_GiB=float("nan"),
+                reserved_GiB=float("nan"), first_step_s=2.0, mask_ms=float("nan"), loss_step1=6.3,
+                backends="attn=reference")
+    return [{**base, "group": "(a) dflash_kernels", "a_over_this": 1.0, **extra},
+            {**base, "group": "(c) reference", "tok_s": 50.0, "a_over_this": 2.0, **extra},
+            {"preset": "tiny", "group": "(b) peers", "skipped": "peers run on CUDA only"}]
+
+
+def test_a_cpu_table_shows_only_the_columns_that_mean_something_there():
+    text = tok_s.format_table(_rows(), gpu=False)
+    lines = text.splitlines()
+    header = [c.strip() for c in lines[0].split("|")]
+    assert header == ["preset", "group", "tokens/s", "ms/step", "1st step s", "loss@1", "a / this", "backends"]
+    assert lines[3].split("|")[6].strip() == "2.00x"
+    legend = lines[lines.index("columns:") + 1:]
+    assert [s.split(":")[0].strip() for s in legend] == ["tokens/s", "ms/step", "1st step s", "loss@1", "a / this"]
+    assert "MFU" not in text and "TFLOP" not in text and "GPU idle" not in text
+
+
+def test_a_gpu_table_explains_its_gpu_columns():
+    rows = _rows(peak_GiB=1.5, reserved_GiB=2.0, mask_ms=3.0, device_idle_ms=4.0, mfu=0.25)
+    text = tok_s.format_table(rows, gpu=True)
+    header = [c.strip() for c in text.splitlines()[0].split("|")]
+    for col in ("TFLOP/step", "MFU", "peak GiB", "reserved GiB", "mask ms", "GPU idle ms", "a / this"):
+        assert col in header, header
+    assert "  MFU: model FLOPs / time / 989 TFLOP/s" in text and "  GPU idle ms: " in text
+    assert "  mask ms: (b)'s flex BlockMask build per step" in text
+    assert "GPU idle ms" not in tok_s.format_table(_rows(), gpu=True)  # no profiled row: no column
+
+
+def test_rows_print_their_record_only_when_verbose(monkeypatch):
+    """Each finished row prints one line with its speed; ``--verbose`` prints its whole record instead."""
+    row = {"preset": "tiny", "group": "(a) dflash_kernels", "tok_s": 1234.5, "ms_step": 12.25, "first_step_s": 3.0}
+    monkeypatch.setitem(tok_s.SETUPS, "tiny", lambda *a: types.SimpleNamespace(
+        cfg=types.SimpleNamespace(batch_size=2, max_len=64, num_anchors=4, num_layers=2, num_heads=2, head_dim=64),
+        note="x", name="tiny"))
+    monkeypatch.setattr(tok_s, "run_group", lambda *a: dict(row))
+    for verbose, expect in ((False, "    (a) dflash_kernels: 1,234 tokens/s, 12.2 ms/step (first step 3.0s)"),
+                            (True, "    {'preset': 'tiny'")):
+        logged = []
+        args = tok_s.parse_args(["--groups", "a", "--device", "cpu"] + (["--verbose"] if verbose else []))
+        tok_s.run_preset("tiny", args, torch.device("cpu"), torch.float32, logged.append)
+        assert any(s.startswith(expect) for s in logged), logged
+        assert any(s.startswith("  tiny (a): 1 warm-up step(s), the shape pass, then 2 timed") for s in logged)
+        assert verbose == any("{'preset'" in s for s in logged)
+
+
+def test_the_help_fits_a_screen(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit):
+        tok_s.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) <= 40, out
+    assert "--verbose" in out and "what runs:" in out
+
+
+def test_no_dated_history_in_the_module_docstring():
+    import re
+
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|\d\d:\d\d\b", tok_s.__doc__)
+
+
+def test_the_tiny_preset_builds_the_trainers_random_target():
+    """One construction for the random targets: tok_s's presets and the trainer's tiny preset share it."""
+    import trainer.random_target as random_target
+
+    assert tok_s.TEXT_CONFIGS is random_target.TEXT_CONFIGS
+    assert tok_s._random_qwen35_target is random_target.random_qwen35_target
+    assert tok_s._synthetic_dataset is random_target.synthetic_dataset
+    logged = []
+    setup = tok_s.setup_tiny(tok_s.parse_args(["--device", "cpu"]), torch.device("cpu"), torch.float32, logged.append)
+    assert logged == ["tok_s: building a random tiny Qwen3.5 target on cpu ..."]
+    assert setup.target.model.config.hidden_size == random_target.TEXT_CONFIGS["tiny"]["hidden_size"]
+
+
 def test_b_plus_is_the_fastest_measured_peer_row():
-    """The combination of the pieces that helped is not always faster than one piece alone (2026-12-02 on
-    the H200: cce+liger-ew 229.0 ms, liger-ew alone 191.8): (b+) is the fastest row, whichever it is."""
+    """The combination of the pieces that helped is not always faster than one piece alone (the rows below):
+    (b+) is the fastest row, whichever it is."""
     rows = [dict(group="(b) peers", ms_step=239.4), dict(group="(b+) cce", ms_step=214.9),
             dict(group="(b+) liger-ew", ms_step=191.8), dict(group="(b+) liger", error="x"),
             dict(group="(b+) cce+liger-ew", ms_step=229.0, b_plus_best=True)]
@@ -254,7 +338,7 @@ def test_a_child_that_dies_is_an_error_row(monkeypatch):
     monkeypatch.setattr(tok_s.subprocess, "run",
                         lambda cmd, **k: cmds.append(cmd) or types.SimpleNamespace(returncode=-9))
     args = tok_s.parse_args(["--groups", "a,b", "--device", "cpu", "--warmup", "0", "--trace", "tr",
-                             "--target-graphs", "off"])
+                             "--target-graphs", "off", "--verbose"])
     logged = []
     rows = tok_s.run_preset_isolated("tiny", args, torch.device("cpu"), logged.append)
     assert [r["group"] for r in rows] == ["(a) dflash_kernels", "(b) peers"]
@@ -263,6 +347,7 @@ def test_a_child_that_dies_is_an_error_row(monkeypatch):
     assert cmds[0][cmds[0].index("--warmup") + 1] == "0"  # a zero is a value, passed on
     assert cmds[0][cmds[0].index("--trace") + 1] == os.path.abspath("tr")  # the children run in ROOT
     assert cmds[1][cmds[1].index("--target-graphs") + 1] == "off"
+    assert "--verbose" in cmds[0] and "--no-build" not in cmds[0]  # the children print what the parent would
 
 
 def test_run_groups_forms_b_plus_from_the_pieces_that_helped():

@@ -119,14 +119,25 @@ def test_build_preflight_and_training_on_the_cpu(peers_path, tmp_path):
     with open(embedded / "train.jsonl") as f:
         assert len(f.readlines()) == 8
 
-    # The trainer on that default: its preflight, then a short single-process run.
-    common = ["--preset", "tiny", "--cache-dir", cache]
+    # The trainer on that default (the tiny preset's shapes; it would use its own random tiny target otherwise):
+    # its preflight, then a short single-process run.
+    common = ["--preset", "tiny", "--builtin-target", "embedded", "--cache-dir", cache]
     proc = run(["-m", "trainer.train", "--preflight", "--target-gpus", "cpu", "--out-dir", str(tmp_path / "pre"),
                 *common], peers_path)
     assert proc.returncode == 0 and "preflight: OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     proc = run(["-m", "trainer.train", "--steps", "2", "--out-dir", str(tmp_path / "run"), *common], peers_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 2/2" in proc.stdout and (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_the_tiny_preset_on_the_cpu(peers_path, tmp_path):
+    """A first run (``--preset tiny``: its random tiny target, built in seconds) on the CPU of a machine with
+    the CUDA-only packages installed."""
+    proc = run(["-m", "trainer.train", "--preset", "tiny", "--steps", "1", "--cache-dir", str(tmp_path / "cache"),
+                "--out-dir", str(tmp_path / "run")], peers_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tiny target: building a random tiny target" in proc.stdout and "step 1/1" in proc.stdout
+    assert not (tmp_path / "cache" / "embedded").exists()
 
 
 @pytest.mark.gpu
