@@ -10,9 +10,9 @@ def bench_ms(fn, quick: bool = False, cuda: bool = True) -> float:
     the mean of three host-timed calls after one warm-up elsewhere (CPU runs only show the job works)."""
     if cuda:
         import triton.testing
-        # One short pass first, discarded: the first timing of a call path in a process reads several
-        # times high on the H200 for ops shorter than a tenth of a millisecond (host-side warm-up
-        # showing through); every implementation gets the same treatment.
+        # One short pass first, discarded: the first timing of a call path in a process can read several
+        # times high for ops shorter than a tenth of a millisecond (host-side warm-up showing through);
+        # every implementation gets the same treatment.
         triton.testing.do_bench(fn, warmup=5, rep=10, return_mode="median")
         return triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=30 if quick else 100,
                                        return_mode="median")

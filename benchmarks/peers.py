@@ -25,8 +25,8 @@ class FlexDrafterAttention:
     ``torch.compile(create_block_mask)`` (with ``compiled``, the default); the mask functions read the
     anchors, valid flags and context length from fixed buffers, so ``torch.compile`` sees the same
     ``mask_mod`` every step and does not recompile. ``mask_s`` accumulates the build's host time (its
-    kernels run asynchronously; up to 2026-12-02 06:43 a synchronization after the build made this the
-    wait for all earlier GPU work plus the build, and put a host synchronization into (b)'s step).
+    kernels run asynchronously: a synchronization after the build would make this the wait for all
+    earlier GPU work plus the build, and put a host synchronization into (b)'s step).
     """
 
     def __init__(self, drafter, compiled: bool = True, compile_options=None, compiled_mask=None):

@@ -74,7 +74,7 @@ def hopper_shared_memory(module: str, name: str, arg_types: dict, constexprs: di
     """Bytes of shared memory the ``@triton.jit`` function ``module.name`` needs when compiled for
     sm_90, one number per ``(num_warps, num_stages, extra constexprs)`` in ``configs``.
 
-    Compiled by ``benchmarks/sm90_resources.py`` (Triton's own toolchain: no GPU needed), in a
+    Compiled by ``tools/studies/sm90_resources.py`` (Triton's own toolchain: no GPU needed), in a
     subprocess without TRITON_INTERPRET, since interpreted kernels cannot be compiled.
     ``arg_types``: Triton type strings of runtime parameters ("*bf16", "*fp32", "fp32"); others "i32"."""
     import json
@@ -84,8 +84,7 @@ def hopper_shared_memory(module: str, name: str, arg_types: dict, constexprs: di
 
     code = """
 import importlib, json, sys
-sys.path.insert(0, "benchmarks")
-from sm90_resources import compile_resources
+from tools.studies.sm90_resources import compile_resources
 module, name, types, consts, configs = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(module), name)
 print(json.dumps([compile_resources(fn, types, {**consts, **extra}, nw, ns, machine_code=False)["shared"]
@@ -100,7 +99,7 @@ print(json.dumps([compile_resources(fn, types, {**consts, **extra}, nw, ns, mach
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB), as Triton reports the H200's limit (sm90_resources.py)
+H200_SHARED_MEMORY = 232448  # bytes per block (227 KiB), as Triton reports sm_90's (Hopper's) limit (sm90_resources.py)
 
 
 def require_triton_kernels(op: str) -> None:
@@ -152,3 +151,12 @@ def check_compiled_matches_eager(f, inputs, tol: float = 1e-6) -> None:
     assert rel_err(out, ref) < tol, "output"
     for i, (g, e) in enumerate(zip(got, exp)):
         assert rel_err(g.grad, e.grad) < tol, f"gradient of input {i}"
+
+
+def slow_param(*values, id=None, slow=True):
+    """``pytest.param(*values, id=id)``, marked ``slow`` when ``slow`` is true: the README's default run
+    (``-m "not slow"``) leaves it out, ``python -m pytest tests -m slow`` runs it, CI runs both. A
+    parametrization keeps a cheaper case of the same code path unmarked."""
+    import pytest
+
+    return pytest.param(*values, id=id, marks=pytest.mark.slow if slow else ())

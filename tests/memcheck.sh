@@ -12,9 +12,8 @@
 #
 # torch's caching allocator is switched off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so memcheck sees every
 # buffer's real bounds; with it on, reads past a tensor land in the allocator's slack and go unseen.
-# Each process gets one CPU thread (OMP_NUM_THREADS=1): the references run on the CPU, and sixteen
-# processes with a thread per core each left every candidate unfinished after 9 minutes on the H200
-# machine (16 cores), where one thread each ran all 53 GDN and AdamW candidates in 60 seconds.
+# Each process gets one CPU thread (OMP_NUM_THREADS=1): the references run on the CPU, and processes
+# with a thread per core each oversubscribe the cores many times over, so no candidate finishes in time.
 # Logs: $OUT (default /tmp/memcheck)/<family>/<n>.{pytest,memcheck}.log; the last lines summarise them.
 set -uo pipefail
 OUT=${OUT:-/tmp/memcheck}

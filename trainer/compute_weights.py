@@ -1,7 +1,7 @@
 """bf16 compute copies of the drafter's matrix weights, written by the optimizer step (no autocast casts).
 
 Under autocast the fp32 master weights are cast to bf16 in every forward, and the bf16 weight gradients
-cast back to fp32 in every backward (the real preset: ~5 ms of casts per step on the H200, 2026-12-01).
+cast back to fp32 in every backward: a pass over every weight and every weight gradient per step.
 Here each trainable 2-D fp32 weight has a bf16 leaf tensor the forward runs with
 (``torch.func.functional_call``); its gradient stays bf16; :class:`MasterAdamW` reads it as it is, updates
 the fp32 master and writes the leaf's new value in the same pass (``dflash_kernels.ops.adamw``). The
@@ -57,7 +57,7 @@ class MasterAdamW(torch.optim.Optimizer):
     # The dtype of a device-tensor learning rate (trainer.step_graph.DrafterStep makes one): fp64, so that
     # the capturable step's hyperparameters (fp64 on the device, then fp32) equal the host path's (Python
     # floats, then fp32). With an fp32 lr the two paths' step sizes differ by an fp32 rounding, enough to flip
-    # a few bf16 roundings of the compute copies: the tiny preset's loss at step 6 moved by 1e-4 (CPU, 2026-12-03).
+    # a few bf16 roundings of the compute copies, and a run's losses then differ between the two paths.
     lr_dtype = torch.float64
 
     def __init__(self, params, compute_weights: ComputeWeights = None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,

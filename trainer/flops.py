@@ -6,8 +6,7 @@ implementations fairly. A multiply-add is 2 FLOPs. With B sequences of S tokens,
 ``bs`` positions per sequence (``Nd = B * N * bs`` draft positions), target hidden size H, vocabulary V:
 
 - target forward (no gradient), over the decoder layers the features need (``Target`` stops after
-  the deepest feature layer, so the layers above it are not counted; up to 2026-12-04 they were, 2 of
-  32 target layers at the ``real`` preset, 1.44 of its 70.07 TFLOP): ``2 * B * S * P_lin`` with
+  the deepest feature layer, so the layers above it are not run and not counted): ``2 * B * S * P_lin`` with
   ``P_lin`` the weights of every ``nn.Linear`` in those layers (the LM head is not run for features); full-attention
   layers ``4 * Hq * Dh * B * S (S + 1) / 2`` (causal QK^T and PV); Gated DeltaNet layers
   ``6 * Hv * Dk * Dv`` per token (the recurrent form's three state products: S k, the rank-1 update,
@@ -19,11 +18,11 @@ implementations fairly. A multiply-add is 2 FLOPs. With B sequences of S tokens,
 - drafter backward: twice the forward (input and weight gradients), except ``fc``, whose input (the
   frozen target's features) needs no gradient: once.
 - LM head (frozen, the target's): on the predicted positions only, ``Np = (bs - 1)`` per valid block
-  (position 0 holds the anchor's own token; up to 2026-12-02 06:43 the count took all ``Nd`` rows, 1/bs
-  more head FLOPs, about 1.8% of a ``real`` step): forward ``2 * Np * H * V``; backward the input
-  gradient only, the same again.
+  (position 0 holds the anchor's own token, which is given, not predicted): forward ``2 * Np * H * V``;
+  backward the input gradient only, the same again.
 
-``mfu = flops / seconds / peak`` with the H200's dense bf16 peak of 989 TFLOP/s.
+``mfu = flops / seconds / peak`` with the dense bf16 tensor-core peak of an H100 / H200 SXM (Hopper),
+989 TFLOP/s: the GPUs the trainer targets.
 """
 
 import torch

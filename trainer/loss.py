@@ -106,7 +106,7 @@ class StepStats(Mapping):
     """A step's ``acc`` (top-1 accuracy over the counted positions), ``acc_by_pos`` (``[bs]``, on the CPU)
     and ``tokens`` (the counted positions), kept as device tensors until one is read: the first read
     copies them to the host (one synchronization, at the caller's logging point), so a step that does
-    not log has none (``benchmarks/tok_s.py``; ``trainer/sync_audit.py`` checks the step for others)."""
+    not log has none (``benchmarks/tok_s.py``; ``tools/audits/sync_audit.py`` checks the step for others)."""
 
     __slots__ = ("_hits", "_n", "_per_pos", "_host")
 

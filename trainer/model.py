@@ -33,8 +33,8 @@ __all__ = ["DrafterConfig", "DFlashDrafter", "RMSNorm", "rope_cos_sin", "apply_r
 # math: fp32 inside, one rounding to the activation dtype) on CUDA tensors and the plain torch chains
 # elsewhere (on the CPU the ops would run the Triton interpreter, many times slower than torch); False
 # runs the plain chains everywhere, True the fused ops everywhere (DFLASH_DRAFTER_FUSED=0 / auto / 1).
-# Measured at the real preset on an H200 (benchmarks/tok_s.py, (a) against (e)): 168.6 ms per step with
-# the fused ops in the drafter and the target against 189.3 eager. Read at each call, so tests can
+# The fused ops make a GPU step faster: one pass per op instead of an fp32 chain of casts and broadcast
+# products (benchmarks/tok_s.py times it: group (a) against (e)). Read at each call, so tests can
 # compare the two paths on one model.
 FUSED_OPS = {"1": True, "0": False}.get(os.environ.get("DFLASH_DRAFTER_FUSED", "auto"), "auto")
 
@@ -83,8 +83,8 @@ class _InvRms(torch.autograd.Function):
     ``that * (2.0 * xf.pow(1.0))`` (a copy of ``xf``, a scaling and a product): four full-size passes. Here the
     division runs per row before the broadcast (the same quotient in every element) and the exact factor 2
     moves onto the row term (``fl(g * fl(2 x)) == fl(fl(2 g) * x)``: doubling is exact), so one broadcast
-    product remains. ``trainer.copy_audit`` found the four passes; ``tests/trainer/test_no_hidden_copies.py``
-    keeps them out and checks the gradients bit for bit.
+    product remains. ``tools.audits.copy_audit`` found the four passes;
+    ``tests/trainer/test_no_hidden_copies.py`` keeps them out and checks the gradients bit for bit.
     """
 
     @staticmethod

@@ -52,7 +52,7 @@ def drafter_loss(batch: dict, feats: torch.Tensor, heads, drafter, cfg: TrainCon
 
         masks = packed_drafter_masks(drafter, anchors, batch["doc_ids"].to(dev, non_blocking=True), valid)
     # fp32 master weights under autocast wherever the compute dtype is lower (a CPU bf16 run too: the
-    # same casts as on a GPU, which is what trainer.copy_audit inspects).
+    # same casts as on a GPU, which is what tools.audits.copy_audit inspects).
     with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
         cw = getattr(drafter, "compute_weights", None)  # trainer.compute_weights: bf16 leaves, no casts
         hidden = drafter(emb, feats, anchors, valid, masks=masks) if cw is None else cw(
@@ -95,7 +95,7 @@ def clip_and_step(opt: torch.optim.Optimizer, params, max_norm: float) -> torch.
     With torch's fused AdamW the clip is folded into the optimizer's kernel instead of a separate pass
     over every gradient: the kernel divides each gradient by ``grad_scale`` (the hook ``GradScaler``
     uses), here ``1 / coef`` with clip_grad_norm_'s ``coef = min(1, max_norm / (norm + 1e-6))``. Saves one
-    read and write of all gradients (a foreach multiply, ~1 ms per step at the ``real`` preset); the
+    read and write of all gradients (the clip's foreach multiply); the
     clipped gradients differ from clip_grad_norm_'s by a rounding (a division by 1 / coef, not a
     multiplication by coef) and are exact when no clipping happens (coef = 1). Other optimizers:
     clip_grad_norm_ as is."""

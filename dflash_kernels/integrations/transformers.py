@@ -253,8 +253,8 @@ def use_dflash_kernels(model, elementwise: bool = False, gdn_layers: bool = Fals
             layers.
         elementwise: also route the norms, MLP activations and RoPE of the same modeling modules.
         gdn_layers: replace the GDN layer's cache-less forward by one that passes q and k at their own
-            head count (transformers up to 5.2x copies them to the value heads: on the H200 that copy
-            took 1.2 ms of device time per 4B-target forward) and lets the kernels compute the decay and
+            head count (transformers up to 5.2x copies them to the value heads: a copy of q and k per layer
+            that the kernels do not need) and lets the kernels compute the decay and
             beta from the raw gate and logits (seven elementwise kernels less per layer). Opt-in: its
             host work pays off where the forward runs as CUDA graphs (the trainer's rule).
 

@@ -69,7 +69,7 @@ def differentiable_op(custom_op, impl, setup_context, backward):
 def eager_call(custom_op):
     """``custom_op`` (a ``torch.library.custom_op``) as a callable that runs its Python function directly
     outside ``torch.compile`` and the op inside it: the backward passes call their kernels' launchers
-    this way, without the dispatcher's host cost (about 20 us a call on a 2-core CPU)."""
+    this way, without the dispatcher's per-call host cost, which a short kernel cannot hide."""
     fn = getattr(custom_op, "_init_fn", None)
     if fn is None:  # a torch without the attribute: always the op
         return custom_op

@@ -80,11 +80,20 @@ def _check_can_run(op: str, name: str) -> None:
 def set_backend(op: str, name: str) -> None:
     """Run ``op`` with backend ``name`` from now on, in every thread.
 
+    Args:
+        op: the op's name: ``attention``, ``gdn``, ``conv1d``, ``linear_cross_entropy``, ``rms_norm``,
+            ``rms_norm_gated``, ``rms_norm_add``, ``rope``, ``swiglu`` or ``adamw`` (:func:`backends` lists them).
+        name: ``auto``, ``triton``, ``interpret``, ``reference``, or one of the op's extra or peer backends
+            (the conv's ``cuda`` and ``causal_conv1d``, the gated delta rule's ``fla``).
+
     ``auto`` drops the override: the environment's choice applies again, else automatic selection.
     Raises ``ValueError`` for an unknown op or backend name, and :class:`BackendUnavailable` (nothing
     changed) when the backend cannot run in this process: an extension that is not built, a peer that is
     not installed, ``interpret`` without ``TRITON_INTERPRET=1``, ``triton`` with no CUDA device. What
     depends on the inputs (``triton`` given CPU tensors) is checked at the call.
+
+    Returns:
+        None.
     """
     if op not in _ops:
         raise ValueError(f"op: unknown op {op!r}; known ops: {sorted(_ops)}")
@@ -100,7 +109,15 @@ def set_backend(op: str, name: str) -> None:
 
 
 def get_backend(op: str) -> str:
-    """The configured backend of ``op`` (``auto`` unless set or given by the environment)."""
+    """The configured backend of ``op`` (``auto`` unless set or given by the environment).
+
+    Args:
+        op: the op's name (as :func:`set_backend` takes it).
+
+    Returns:
+        The backend's name: the :func:`set_backend` override, else ``DFLASH_KERNELS_BACKEND``'s entry for the
+        op, else ``"auto"``. Raises ValueError for an unknown op.
+    """
     if op not in _ops:
         raise ValueError(f"op: unknown op {op!r}; known ops: {sorted(_ops)}")
     return _chosen.get(op) or _env_choice(op) or "auto"
@@ -150,7 +167,12 @@ def resolve(op: str, device) -> str:
 
 
 def backends() -> dict:
-    """Per op: the configured backend and which backends can run in this process."""
+    """Per op: the configured backend and which backends can run in this process.
+
+    Returns:
+        ``{op: {"configured": name, "available": [names]}}`` for every op, e.g.
+        ``{"conv1d": {"configured": "auto", "available": ["reference", "triton", "cuda"]}, ...}``.
+    """
     out = {}
     for op in sorted(_ops):
         entry = _ops[op]

@@ -102,7 +102,7 @@ def test_step_breakdown_fills_in_b_and_b_plus_from_an_older_run():
 
 
 def test_tok_s_bars_fill_in_the_peers_from_an_older_run():
-    """An A/B run without the peers ((a) against a variant) keeps (b) and the fastest (b+) on the tokens/s
+    """A comparison run without the peers ((a) against a variant) keeps (b) and the fastest (b+) on the tokens/s
     chart from the newest older run, marked with their date; an older (a) and other stacks are not shown."""
     import plot
     old, new = "2026-12-03T16:59:43+00:00", "2026-12-03T20:02:08+00:00"

@@ -17,7 +17,7 @@ from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn_module
 from dflash_kernels.ops.gated_delta_rule import kernels_bwd, kernels_fwd
 from dflash_kernels.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
 from dflash_kernels.runtime import alloc, resolve
-from tests.helpers import device, on_reference_device, rel_err, worst_row_err
+from tests.helpers import device, on_reference_device, rel_err, slow_param, worst_row_err
 
 
 @pytest.fixture(autouse=True)
@@ -111,13 +111,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def _params(cases, default):
+    """The cases as pytest params; those whose id is not in ``default`` run only under ``-m slow``."""
+    assert set(default) <= {c[0] for c in cases}, default
+    return [slow_param(*c[1:], id=c[0], slow=c[0] not in default) for c in cases]
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", _params(CASES, (
+    "T64-fp32-boundary", "T130-bf16-nol2", "T128-bf16-gqa-l2-h0", "T70-fp32-gqa3-nol2")))
 def test_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
     tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, normalized=not l2)
     _compare(tensors, dict(use_qk_l2norm_in_kernel=l2), final, dtype)
 
 
-@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", [c[1:] for c in CASES[::2]], ids=[c[0] for c in CASES[::2]])
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", _params(CASES[::2], ("T70-fp32-gqa3-nol2",)))
 def test_saved_states_match_recompute(monkeypatch, B, T, Hk, Hv, K, V, dtype, l2, h0, final):
     # DFLASH_KERNELS_GDN_SAVE_STATES=1: the forward keeps w, h and v_new; the backward must then give
     # exactly what it gives when it recomputes them (same kernels, same order), and match the reference.
@@ -153,9 +160,8 @@ def _same(a, b):
 SPLIT_CASES = [CASES[0], CASES[2], CASES[5]]
 
 
-@pytest.mark.parametrize("save", [False, True], ids=["recompute", "save"])
-@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", [c[1:] for c in SPLIT_CASES],
-                         ids=[c[0] for c in SPLIT_CASES])
+@pytest.mark.parametrize("save", [False, slow_param(True)], ids=["recompute", "save"])
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", _params(SPLIT_CASES, ("T63-fp32-gqa-l2-h0",)))
 def test_split_forward_matches_fused(monkeypatch, save, B, T, Hk, Hv, K, V, dtype, l2, h0, final):
     """DFLASH_KERNELS_GDN_FWD_SPLIT=1 (the state scan, then the output over all chunks at once): the fused
     forward's output, final state and gradients (with the states kept for the backward or recomputed),
@@ -489,7 +495,7 @@ def test_gpu_threads_on_fresh_shapes():
 
 @pytest.mark.parametrize("K", [128, 256])
 def test_backward_local_kernel_fits_hopper_shared_memory(K):
-    """Every bf16 candidate of the backward's local kernel fits the H200's shared memory, K=256
+    """Every bf16 candidate of the backward's local kernel fits Hopper's shared memory, K=256
     included (compiled for sm_90 with Triton's toolchain: no GPU needed): with fp32 K-wide operands
     in its dots it would not fit at K=256."""
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory

@@ -1,10 +1,10 @@
 """Every ``gdn_bwd_local`` candidate forced alone at small head dims (K = 32; V = 16 or 32, narrower than BV).
 
-On the H200 (triton 3.6) the kernel at BK = 32 with a V block of 64 (or 16) over a single V iteration
-compiled to an out-of-range shared-memory access (compute-sanitizer: kernels_bwd.py, the ``b_kf`` line of
-the K-block loop): garbage dk, dg and dbeta when forced alone, an illegal memory access that killed the CUDA
-context when the tuner timed it (tests/ops/test_gated_delta_rule.py::test_chunk_matches_reference
-[T130-bf16-nol2] on a fresh tuning cache). The kernel now runs its V loops in blocks of 32 whenever BK is 32.
+On sm_90 (triton 3.6) the kernel at BK = 32 with a V block of 64 (or 16) over a single V iteration
+compiles to an out-of-range shared-memory access (compute-sanitizer: kernels_bwd.py, the ``b_kf`` line of
+the K-block loop): garbage dk, dg and dbeta when forced alone, an illegal memory access that kills the CUDA
+context when the tuner times it (tests/ops/test_gated_delta_rule.py::test_chunk_matches_reference
+[T130-bf16-nol2] on a fresh tuning cache). So the kernel runs its V loops in blocks of 32 whenever BK is 32.
 
 Each case forces one candidate (on the CPU the interpreter's config, on a GPU the only config with tuning
 off), runs the op forward and backward with the suite's NaN-poisoned outputs, and checks every gradient

@@ -278,7 +278,7 @@ def test_bad_input(change, exc, match):
 
 
 def test_kernel_configs_compile_for_hopper():
-    """Every tuning candidate compiles for sm_90 (no GPU needed) and fits the H200's shared memory."""
+    """Every tuning candidate compiles for sm_90 (no GPU needed) and fits Hopper's shared memory."""
     from dflash_kernels.ops.rms_norm import kernels as k
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
     mod = "dflash_kernels.ops.rms_norm.kernels"

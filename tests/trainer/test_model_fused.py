@@ -74,8 +74,8 @@ def test_fused_ops_match_plain_torch_fp32(monkeypatch):
 
 
 def test_fused_ops_match_plain_torch_bf16_autocast(monkeypatch):
-    """Under bf16 autocast (CUDA's, or the CPU's with the kernels in the interpreter). On the CPU, 2026-12-02:
-    output 4.2e-3, input gradient 4.6e-3, parameter gradients 1.5e-2 median and 2.1e-2 worst."""
+    """Under bf16 autocast (CUDA's, or the CPU's with the kernels in the interpreter): the two paths round
+    to bf16 in different places, so they agree to bf16 rounding accumulated over the layers, no closer."""
     drafter, emb, feats, anchors = _drafter_and_inputs(device())
     ref, ref_de, ref_g = _run(drafter, emb, feats, anchors, False, monkeypatch, autocast=True)
     out, de, grads = _run(drafter, emb, feats, anchors, True, monkeypatch, autocast=True)

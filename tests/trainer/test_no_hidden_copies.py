@@ -1,33 +1,33 @@
 """No copy, cast or strided fp32 elementwise op in the trainer's step that nobody chose.
 
 One training step (target features -> drafter -> fused LM-head loss -> backward -> clip -> fused AdamW) of a
-shrunken ``real`` preset (:func:`trainer.copy_audit.shrunken_real_setup`: a Qwen3.5 hybrid target, 3 GDN : 1
+shrunken ``real`` preset (:func:`tools.audits.copy_audit.shrunken_real_setup`: a Qwen3.5 hybrid target, 3 GDN : 1
 attention, bf16 weights, the drafter in fp32 master weights under bf16 autocast, as on a GPU) runs under
-:class:`trainer.copy_audit.CopyLogger`. Every copy or cast, and every pointwise op whose operands a GPU
+:class:`tools.audits.copy_audit.CopyLogger`. Every copy or cast, and every pointwise op whose operands a GPU
 could not vectorize over (a broadcast or non-contiguous fp32 operand; a bf16 one too), issued from
 ``trainer/`` and moving more than ``MIN_REAL_BYTES`` per step at the real preset's sizes, must match an
 entry of ``ALLOWED``, each with the reason it stays; every entry must still be seen (a removed op takes its
 entry along). What the target's transformers code and the library's own ops do is theirs: listed, not judged.
 
-The step as it was before ``trainer.model._InvRms`` and the fp32 RoPE tables fails here: the eager
-RMSNorm's ``MeanBackward1`` divided an expanded (stride-0) fp32 tensor as large as the activations (then
-copied, scaled and multiplied it: ~10 GB per real step), and the eager RoPE multiplied fp32 activations by
-bf16 cos / sin tables (mixed-dtype kernels, 7 GB). The tests below check that the replacements give the
-same bits (on the device the suite runs on).
+Without ``trainer.model._InvRms`` and the fp32 RoPE tables the step fails here: the eager RMSNorm's
+``MeanBackward1`` divides an expanded (stride-0) fp32 tensor as large as the activations (then copies,
+scales and multiplies it), and the eager RoPE multiplies fp32 activations by bf16 cos / sin tables
+(mixed-dtype kernels); both move gigabytes per real step. The tests below check that the replacements give
+the same bits (on the device the suite runs on).
 """
 
 import pytest
 import torch
 
 import trainer.model as model_mod
-from tests.helpers import device
-from trainer import copy_audit as ca
+from tests.helpers import device, slow_param
+from tools.audits import copy_audit as ca
 
 # A source this small at the real preset (bytes read + written per step) is below notice: ~12 us at 4 TB/s.
 MIN_REAL_BYTES = 50e6
 
 _EAGER = ("the plain torch chain (trainer.model.FUSED_OPS off: the default on a CPU, DFLASH_DRAFTER_FUSED=0 on a GPU; "
-          "benchmarks/tok_s.py --groups a,e is the A/B): fp32 math on bf16 activations")
+          "benchmarks/tok_s.py --groups a,e is the comparison): fp32 math on bf16 activations")
 _BCAST = "; a per-row scale / per-feature weight / per-position cos-sin broadcast, which CUDA cannot vectorize"
 
 # (file, function, aten op, kind, autograd node ("" = forward), parameter cast, eager path only, reason)
@@ -76,7 +76,7 @@ ALLOWED = [
 ]
 
 # Sources outside trainer/ (by the innermost frame that issued them): reported by `python -m
-# trainer.copy_audit`, not judged here.
+# tools.audits.copy_audit`, not judged here.
 FOREIGN = {
     "transformers": "the target's modeling code (its RMSNorm / RoPE in fp32, head-major clones); "
                     "dflash_kernels.integrations.transformers.use_dflash_kernels(elementwise=True) routes the "
@@ -113,7 +113,7 @@ def audit_setup():
     setup[1].routing.undo()  # transformers' own functions back for the tests that follow in this process
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("fused", [slow_param(False), True], ids=["eager", "fused"])
 def test_no_unlisted_copies_casts_or_strided_fp32(audit_setup, fused, monkeypatch):
     monkeypatch.setattr(model_mod, "FUSED_OPS", fused)
     events = ca.audit_step(audit_setup, backend="reference", warmup=0)
@@ -185,15 +185,16 @@ def test_rope_tables_in_fp32_same_bits(monkeypatch):
         assert torch.equal(a, b), f"{name}: fp32 tables differ from bf16 tables"
 
 
+@pytest.mark.slow
 def test_audit_report_ranks_sources(audit_setup):
-    """``python -m trainer.copy_audit``'s report: sources ranked by bytes per real step, with their lines."""
+    """``python -m tools.audits.copy_audit``'s report: sources ranked by bytes per real step, with their lines."""
     events = ca.audit_step(audit_setup, backend="reference", warmup=0)
     text = ca.report(events, top=200)
     assert "per real step" in text and "trainer/model.py" in text
 
 
 def test_profile_sources_attributes_backward_ops_to_forward_lines(monkeypatch):
-    """``python -m trainer.copy_audit --profile real`` (the GPU check): each op's time is charged to the function
+    """``python -m tools.audits.copy_audit --profile real`` (the GPU check): each op's time is charged to the function
     that issued it, a backward op's to the forward function of its node."""
     monkeypatch.setattr(model_mod, "FUSED_OPS", False)
     norm = model_mod.RMSNorm(64, 1e-6)

@@ -1,5 +1,5 @@
 """No host synchronization inside the trainer's step (target features -> drafter -> fused LM-head loss
--> backward -> clip -> fused AdamW) outside ``ALLOWED``: ``trainer.sync_audit`` logs every aten op that reads
+-> backward -> clip -> fused AdamW) outside ``ALLOWED``: ``tools.audits.sync_audit`` logs every aten op that reads
 device data back (``.item()``, ``bool(t)``, ``nonzero``, ...) during one step of a shrunken real preset on
 the CPU, and each must match an entry with its reason. The step's statistics (accuracy, counted tokens)
 stay on the device until the caller logs them (``trainer.loss.StepStats``)."""
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import trainer.model as model_mod
-from trainer import copy_audit as ca
-from trainer import sync_audit as sa
+from tests.helpers import slow_param
+from tools.audits import copy_audit as ca
+from tools.audits import sync_audit as sa
 
 # (function qualname in a frame, aten op prefix, reason): syncs that run on the CPU only
 ALLOWED = [
@@ -29,7 +30,7 @@ def audit_setup():
     setup[1].routing.undo()
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "fused"])
+@pytest.mark.parametrize("fused", [False, slow_param(True)], ids=["eager", "fused"])
 def test_the_step_does_not_wait_for_the_device(audit_setup, fused, monkeypatch):
     monkeypatch.setattr(model_mod, "FUSED_OPS", fused)
     points = sa.sync_points(audit_setup)

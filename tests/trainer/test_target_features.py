@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from tests.helpers import slow_param
 from trainer.target import Target, load_target
 
 
@@ -48,6 +49,7 @@ def test_the_last_layer_keeps_the_whole_forward(tiny_qwen35_dir):
     assert torch.equal(target.features(ids), _whole_forward_features(target, ids))
 
 
+@pytest.mark.slow
 def test_threads_sharing_a_target_get_their_own_features(tiny_qwen35_dir):
     target = load_target(tiny_qwen35_dir, layer_ids=[0, 1], use_kernels=False)
     inputs = [_ids(target, s) for s in range(6)]
@@ -71,6 +73,7 @@ def test_threads_sharing_a_target_get_their_own_features(tiny_qwen35_dir):
     assert torch.equal(feats, _whole_forward_features(target, inputs[0])) and logits.shape[-1] == target.vocab_size
 
 
+@pytest.mark.slow
 def test_a_second_target_on_the_same_model_is_independent(tiny_qwen35_dir):
     first = load_target(tiny_qwen35_dir, layer_ids=[0, 2], use_kernels=False)
     second = Target(first.model, first.tokenizer, [1])
@@ -79,12 +82,12 @@ def test_a_second_target_on_the_same_model_is_independent(tiny_qwen35_dir):
     assert torch.equal(first.features(ids), _whole_forward_features(first, ids))
 
 
-@pytest.mark.parametrize("model_dir", ["tiny_qwen35_dir", "tiny_qwen3_dir"])
+@pytest.mark.parametrize("model_dir", [slow_param("tiny_qwen35_dir"), "tiny_qwen3_dir"])
 def test_the_ready_made_mask_mapping_is_checked_once_per_shape(model_dir, request):
     """features() passes transformers the attention-mask mapping it would build itself (so the forward has
     no packed-sequence check, a host synchronization), only after the first call of a shape found the
     features bit-identical both ways; a model where they differ keeps its own masks."""
-    from trainer import sync_audit as sa
+    from tools.audits import sync_audit as sa
 
     target = load_target(request.getfixturevalue(model_dir), layer_ids=[0, 2], use_kernels=False)
     ids = _ids(target, 0)

@@ -141,6 +141,10 @@ def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1=0.9, beta2=0
             gradient clip's ``1 / coef``: no host synchronization).
         compute_copies: optional list (entries may be None) of tensors that receive the updated parameter
             rounded to their dtype in the same pass (the bf16 weights the next forward uses).
+
+    Returns:
+        None: ``params``, ``exp_avgs``, ``exp_avg_sqs`` and ``compute_copies`` are updated in place. Bad
+        arguments raise ValueError / TypeError naming the list and index.
     """
     _check(params, grads, exp_avgs, exp_avg_sqs, compute_copies, grad_scale, lr, beta1, beta2, eps,
            weight_decay, step)

@@ -62,7 +62,7 @@ def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, offs, n, beta1,
 
 # ``n`` is not specialized (one compiled kernel for every size), so the compiler cannot prove a block's mask
 # uniform over a vector and a masked access is a scalar one: every block but the last runs unmasked, with
-# 16-byte accesses (5.54 -> 3.59 ms over the `real` drafter's 0.52 G parameters on an H200, 2.6 -> 4.0 TB/s).
+# 16-byte accesses, which an elementwise kernel bound by memory bandwidth needs (benchmarks/results/README.md).
 @triton.jit(do_not_specialize=["n", "beta1", "beta2", "eps", "decay", "step_size", "bc2_sqrt"])
 def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, scale_ptr, hp_ptr, n, beta1, beta2, eps, decay, step_size,
                   bc2_sqrt, HAS_OUT: tl.constexpr, HAS_SCALE: tl.constexpr, HP_ON_DEVICE: tl.constexpr,

@@ -20,9 +20,9 @@ The dk/dv programs run their key tiles in ascending order (the first keys are se
 under a causal mask as under sorted DFlash anchors) with the (batch, head) index varying fastest:
 GPUs start programs in grid order, and with the heads outermost the heaviest key tiles of the last
 heads started only after every earlier head's light ones (the draft blocks' own keys, seen by one
-block each). Heads fastest: dk/dv at B=1, S=3072, 512 blocks 1.6 -> 1.28 ms on the H200 (2026-12-03).
-The forward's and dq's programs are lighter and many more per head; for them the order measured the
-same within 1-3% (row tiles fastest slightly ahead), so they keep it.
+block each). Heads fastest, every head's heavy tiles start first and the last wave is short (most so at
+B=1, with the fewest programs). The forward's and dq's programs are lighter and many more per head; the
+order makes little difference for them (row tiles fastest slightly ahead), so they keep it.
 
 The dk/dv kernel runs per key tile over the reverse index (mask.py), unmasked entries first, with
 the keys (QM=0) or the row tiles (QM=1, transposed dk / dv accumulators) on the matmuls' M side.
@@ -482,7 +482,7 @@ _row_configs = [
 ]
 attention_fwd_kernel = TritonKernel(_attention_fwd_kernel, name="block_sparse_attn_fwd", configs=_row_configs,
                                     interpret_config=Config(BN=16, GPB=2))
-# The same candidates for dq, with the one the tuner chose at the DFlash shapes on the H200 first: the
+# The same candidates for dq, with the one the tuner chose at the DFlash shapes on Hopper first: the
 # first candidate is what an untuned run (DFLASH_KERNELS_TUNE=0) launches (the next that fits, if it
 # does not).
 attention_bwd_dq_kernel = TritonKernel(_attention_bwd_dq_kernel, name="block_sparse_attn_bwd_dq",
@@ -490,9 +490,9 @@ attention_bwd_dq_kernel = TritonKernel(_attention_bwd_dq_kernel, name="block_spa
                                        interpret_config=Config(BN=16, GPB=2))
 # The dk/dv kernel's key tile is the mask's kv_tile (the reverse index is built for it) or, with
 # SPLIT=2, half of it; tuned: that split, how many row tiles (EPI) one step stacks, which side of the
-# matmuls the keys take (QM), launch options. First: the fastest at the DFlash training shape on the
-# H200 (kv_tile 64, B=1, S=3072, 512 blocks, 32 / 8 heads, D=128: the whole backward 2.29 ms against
-# 2.76 for the fastest QM=0 candidate, 2.06 vs 2.56 with a 2048 window; benchmarks/results/README.md).
+# matmuls the keys take (QM), launch options. First: the fastest at the DFlash training shape on Hopper
+# (kv_tile 64, B=1, S=3072, 512 blocks, 32 / 8 heads, D=128; a QM=1 config, ahead of every QM=0 one with
+# and without a window: the row tile on the M side fills the warpgroup MMA; benchmarks/results/README.md).
 # The QM=0 SPLIT=2 candidates are the ones that do not spill registers at D=128 (see the kernel); a
 # split that leaves fewer than 16 keys does not compile and is no candidate.
 attention_bwd_dkdv_kernel = TritonKernel(

@@ -200,6 +200,10 @@ def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=No
             from the device (a synchronisation); without it the build never synchronises, and an
             out-of-range anchor is clamped into ``[0, S]``.
 
+    Returns:
+        A :class:`BlockSparseMask` of batch size B for ``(Tq, Tk) = (N * block_size, S + N * block_size)``
+        on the anchors' device.
+
     Raises TypeError/ValueError naming the argument for bad dtypes, shapes or anchor values.
     """
     checks.check_dflash_block_mask_args(anchors, context_len, block_size, window, valid, kv_tile, check_range)
@@ -225,8 +229,11 @@ def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
 
     Args:
         q_len: Tq. kv_len: Tk (default Tq). q_block: positions per query group (kernel tile rows are
-        ``q_block`` times the heads packed per tile). kv_tile: the backward's key tile width.
-        device: where the structure lives (that of the attention inputs).
+        ``q_block`` times the heads packed per tile), at most 128. kv_tile: the backward's key tile width
+        (a power of two). device: where the structure lives (that of the attention inputs; default the CPU).
+
+    Returns:
+        A :class:`BlockSparseMask` of batch size 1 for ``(q_len, kv_len)``.
     """
     kv_len = q_len if kv_len is None else kv_len
     checks.check_causal_block_mask_args(q_len, kv_len, q_block, kv_tile)
@@ -258,6 +265,15 @@ def from_flex_block_mask(block_mask, kv_tile=64):
         - positions beyond the BlockMask's ``seq_lengths`` are never visible.
         - speed: each kv block is one segment, so a mask with long runs of full blocks loops over
           them one block at a time (still no element masking on full blocks).
+
+    Args:
+        block_mask: a ``BlockMask`` from ``torch.nn.attention.flex_attention.create_block_mask`` built
+            with ``H=None``.
+        kv_tile: key tile width of the backward's reverse index (a power of two).
+
+    Returns:
+        A :class:`BlockSparseMask` for ``block_mask.seq_lengths`` on the BlockMask's device, with its batch
+        size.
     """
     checks.check_flex_block_mask(block_mask)
     kv_num, kv_idx = block_mask.kv_num_blocks, block_mask.kv_indices

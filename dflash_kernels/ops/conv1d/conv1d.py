@@ -30,9 +30,9 @@ OP = "conv1d"
 _conv = Op(OP, peers={"causal_conv1d": "causal_conv1d"}, extra={"cuda": cuda.available})
 _conv_update = _conv.function("causal_conv1d_update")
 
-# CUDA extension or Triton, per shape bucket. Untimed (tuning off) it is Triton: on the H200 the two
-# channel-first forwards are about as fast, the extension's channel-last forward is several times
-# slower, and forward+backward goes either way by shape (benchmarks/results/README.md); the timed
+# CUDA extension or Triton, per shape bucket. Untimed (tuning off) it is Triton: the two channel-first
+# forwards are about as fast, the extension's channel-last forward is several times slower, and
+# forward+backward goes either way by shape (benchmarks/results/README.md); the timed
 # choice finds the faster per bucket, and untimed, the path without a slow layout is the safe one.
 _impl_choice = Choice("conv1d_impl", default="triton", label="conv1d CUDA-vs-Triton choice",
                       version=cuda.source_hash)

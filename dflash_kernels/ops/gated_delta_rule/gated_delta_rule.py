@@ -183,9 +183,9 @@ def _split_forward(N: int, Hv: int, device: torch.device) -> bool:
     the scan with the output fused in: ``DFLASH_KERNELS_GDN_FWD_SPLIT`` when set to 1 or 0, else on a GPU
     when the N * Hv sequence-heads fill at most a quarter of its SMs (the fused scan then runs at most
     two programs of BV=64 per head, half the SMs or fewer, and computes every output inside its sequential
-    loop). The rule is measured (benchmarks/bench_gdn_fwd_paths.py, H100, 2026-12-05, T=3072, K=V=128,
-    device us per layer, fused / split): N * Hv = 32 334 / 301, 64 535 / 565, 192 1484 / 1677. The CPU
-    (Triton's interpreter) keeps the fused scan."""
+    loop); once the fused scan's programs fill the GPU, the split form's output kernel costs more than it
+    saves. The threshold comes from timing both forms (tools/studies/bench_gdn_fwd_paths.py; the numbers
+    are in benchmarks/results/README.md). The CPU (Triton's interpreter) keeps the fused scan."""
     forced = settings.gdn_fwd_split()
     if forced is not None:
         return forced
@@ -218,7 +218,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     A NaN / Inf in k, v, g or beta reaches no output before its token (kernels_fwd.py's docstring:
     the solve finds each chunk's first such row, which it and the w/u and scan kernels respect).
 
-    Other splits of the forward were measured slower on the H200 and not kept (w and u folded into
+    Other splits of the forward were slower when timed and not kept (w and u folded into
     the scan; the l2norm inside the solve, w/u and scan kernels; solve and w/u in one kernel; the
     output's terms precomputed for a shorter scan step): benchmarks/results/README.md.
     """
@@ -623,7 +623,24 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
     ``(o [B, T, Hv, V], final_state [N, Hv, K, V] fp32 or None)``, o in v's dtype (as fla's). Not
     differentiable. As fla: g None means no decay, beta None means beta = 1 (with
     use_gate_in_kernel, g is required); g and beta may also be passed by keyword.
+
+    Args:
+        q, k: ``[B, T, Hk, K]`` queries and keys (bf16, fp16 or fp32; K <= 256).
+        v: ``[B, T, Hv, V]`` values, Hv a multiple of Hk (V <= 256).
+        g: ``[B, T, Hv]`` log-space decay, the raw gate (use_gate_in_kernel, then required), or None
+            (no decay).
+        beta: ``[B, T, Hv]`` write strengths, their logits (use_beta_sigmoid_in_kernel), or None (beta = 1).
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` state per sequence (N = B, or len(cu_seqlens) - 1), e.g. the
+            final state of :func:`chunk_gated_delta_rule` over the prompt; zeros when None.
+        output_final_state: also return the ``[N, Hv, K, V]`` fp32 state after the last token.
+        use_qk_l2norm_in_kernel: L2-normalize q and k (eps 1e-6) inside.
+        cu_seqlens: ``[N + 1]`` LongTensor of sequence boundaries for a packed batch (then B = 1).
         {keywords}
+
+    Returns:
+        ``(o, final_state)``: o ``[B, T, Hv, V]`` in v's dtype; final_state fp32 (``[N, Hv, K, V]``, or
+        ``[N, Hv, V, K]`` with state_v_first) or None.
     """
     state_v_first, _ = pop_fla_kwargs("fused_recurrent_gated_delta_rule", kwargs, state_v_first, recurrent=True)
     if use_gate_in_kernel and g is None:

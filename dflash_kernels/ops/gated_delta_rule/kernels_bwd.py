@@ -278,7 +278,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
 
 
 # LOOP_STAGES=3: the chunk loop pipelined three deep (no register spills on sm_90, where the 2-stage
-# configs spill); forced alone on the H200 it made the forward+backward faster (benchmarks/results).
+# configs spill); forced alone it made the forward+backward faster (benchmarks/results/README.md).
 gdn_bwd_state_kernel = ByPrecision(
     _gdn_bwd_state_kernel, "gdn_bwd_state",
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8),

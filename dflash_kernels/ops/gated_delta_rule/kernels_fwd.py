@@ -25,7 +25,7 @@ diagonal, and 0 * NaN = NaN: a NaN / Inf at row t would reach the chunk's rows b
 product safe costs the hot loops time and registers; instead the forward first finds, per chunk and
 value head, ``t_bad`` = the first row whose k (of its key head), v, g or beta, as the kernels use them
 (the decay from a raw gate, beta from logits), is not finite, BT when there is none (the ``solve``
-kernel's first step, one read of those inputs; a kernel of its own until 2026-12-05). Then:
+kernel's first step: one read of those inputs, no launch of its own). Then:
 
 - ``solve`` and ``wu`` load the rows from t_bad on as 0 (g, beta, k, v, and G): with every value they
   meet finite, the rows before t_bad come out bit for bit as without the bad row (the masked entries
@@ -617,7 +617,7 @@ class ByPrecision:
     """One kernel as two TritonKernels with their own candidates: ``default`` for bf16 / fp16 inputs
     and ``fp32`` (named ``<name>_fp32``) for fp32 inputs.
 
-    fp32 inputs get 4-warp, single-stage configs only: on the H200 with triton 3.6 the backward's local
+    fp32 inputs get 4-warp, single-stage configs only: on Hopper with triton 3.6 the backward's local
     kernel with fp32 (tf32) dots and 8 warps faults (illegal memory access, K=16) or needs more shared
     memory than the chip has (K=128), and a faulting tuning trial would poison the CUDA context, so
     such configs must never be candidates.
@@ -644,9 +644,10 @@ gdn_fwd_wu_kernel = ByPrecision(
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)], FP32_CONFIGS)
 # The scan storing each chunk's start state and U (the backward's recompute, the split forward). Its
 # 8-warp BV <= 32 candidates, as the forward's, are those that do not spill registers on sm_90 builds
-# (benchmarks/sm90_resources.py); the tuner times them all. The K-split form (KSPLIT, ``_states_khalves``):
-# every config forced passes tests/ops/test_gdn_scan_variants.py and test_every_candidate.py on the H100
-# (2026-12-05), and the tuner's pick among them took the real target's state scan from 94 to 67 us.
+# (tools/studies/sm90_resources.py); the tuner times them all. The K-split form (KSPLIT, ``_states_khalves``:
+# fewer live registers, k and w staged ahead by the pipeliner): every config forced passes
+# tests/ops/test_gdn_scan_variants.py and test_every_candidate.py on a GPU, and at the real target's shape the
+# tuner's pick among them is faster than the one-tile scan (benchmarks/results/README.md).
 GDN_FWD_STATE_KSPLIT_CONFIGS = [
     Config(BV=32, num_warps=4, KSPLIT=True, LOOP_STAGES=3), Config(BV=32, num_warps=4, num_stages=4, KSPLIT=True),
     Config(BV=64, num_warps=4, KSPLIT=True, LOOP_STAGES=3), Config(BV=16, num_warps=4, KSPLIT=True, LOOP_STAGES=3)]
@@ -657,7 +658,7 @@ gdn_fwd_scan_states_kernel = ByPrecision(
      Config(BV=32, num_warps=4, LOOP_STAGES=3)] + GDN_FWD_STATE_KSPLIT_CONFIGS,
     FP32_CONFIGS)
 # The forward: the scan with the output fused in. The first candidate (what an untuned run launches)
-# is the tuner's pick at the benchmark shapes on the H200. Single-stage chunk loops are no candidates:
+# is the tuner's pick at the benchmark shapes on Hopper. Single-stage chunk loops are no candidates:
 # at BV=32 they fault there (illegal memory access), at BV=64 they are slower. The 3-stage loop at
 # BV=64 is faster for a single long sequence and slower at larger batches: the tuner picks per bucket.
 gdn_fwd_scan_kernel = ByPrecision(

@@ -49,7 +49,7 @@ OP = "linear_cross_entropy"
 _op = Op(OP)
 
 # Bytes of one chunk of logits (the only [rows, V] buffer). 512 MiB keeps the op's extra memory near
-# 0.5 GiB; chunks of half that size made the hidden-gradient GEMMs measurably slower on the H200
+# 0.5 GiB; with chunks of half that size the hidden-gradient GEMMs were slower when timed
 # (benchmarks/results/README.md). DFLASH_KERNELS_LINEAR_CE_CHUNK_MIB overrides it (read at import).
 CHUNK_BYTES = int(os.environ.get("DFLASH_KERNELS_LINEAR_CE_CHUNK_MIB", "512")) << 20
 # Chunk row counts are multiples of this (GEMM tile friendly; keeps every chunk's row slices of the

@@ -129,7 +129,7 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, dg_ptr, 
 # that a program moves 2 to 16 KiB. Wide rows (D = 1K..8K): one to four rows, 4 to 16 warps (16 to 32
 # fp32 elements of a tile per thread at D = 2560). The first of each list is the untuned default. On
 # sm_90 the narrow backward spills from 32 rows per 4 warps on (compiled without a GPU by
-# tests/ops/test_rms_norm.py through benchmarks/sm90_resources.compile_resources).
+# tests/ops/test_rms_norm.py through tools/studies/sm90_resources.compile_resources).
 FWD_NARROW_CONFIGS = [Config(BM=bm, num_warps=nw, num_stages=1) for bm, nw in
                       [(16, 4), (32, 4), (8, 4), (64, 8), (32, 8), (8, 2), (128, 8)]]
 FWD_WIDE_CONFIGS = [Config(BM=bm, num_warps=nw, num_stages=1) for bm, nw in

@@ -175,7 +175,15 @@ def swiglu(gate, up):
 
 def swiglu_packed(x):
     """``silu(x[..., :C]) * x[..., C:]`` for ``x`` ``[..., 2C]`` (one fused gate/up projection): both
-    halves read in place, the gradient written as one ``[..., 2C]`` tensor."""
+    halves read in place, the gradient written as one ``[..., 2C]`` tensor.
+
+    Args:
+        x: ``[..., 2C]``, fp32 / bf16 / fp16, any strides: the gate in ``x[..., :C]``, the up projection
+            in ``x[..., C:]``. An odd last dim raises ValueError.
+
+    Returns:
+        ``[..., C]`` in x's dtype (contiguous), fp32 math with one rounding. Differentiable in ``x``.
+    """
     check_swiglu_packed(x)
     return _op_packed(x.device, x)
 

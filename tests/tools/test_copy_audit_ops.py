@@ -1,9 +1,9 @@
-"""``trainer.copy_audit``'s ``--ops`` path: every call of the named aten ops, whatever its kind, with its bytes and
+"""``tools.audits.copy_audit``'s ``--ops`` path: every call of the named aten ops, whatever its kind, with its bytes and
 issuing line (``CopyLogger(all_ops=True)`` + ``select_ops``)."""
 
 import torch
 
-from trainer import copy_audit as ca
+from tools.audits import copy_audit as ca
 
 
 def _step(a, b, w):

@@ -6,9 +6,9 @@ Each config (mask kv_tile x QM x SPLIT x EPI x warps x stages) is forced alone a
 ``triton.testing.do_bench`` on the full-context mask and on a 2048-token window, weighted 3 : 2 as the
 drafter's layers are; dk, dv are compared with the first QM=0 config's (relative error). GPU only.
 
-    python benchmarks/sweep_dkdv.py compile I N   # compile configs I::N, one launch each (run N of these
-                                                  # side by side to fill the Triton cache in parallel)
-    python benchmarks/sweep_dkdv.py time          # time every config; the 12 fastest last
+    python -m tools.studies.sweep_dkdv compile I N   # compile configs I::N, one launch each (run N of these
+                                                     # side by side to fill the Triton cache in parallel)
+    python -m tools.studies.sweep_dkdv time          # time every config; the 12 fastest last
 """
 import itertools
 import json

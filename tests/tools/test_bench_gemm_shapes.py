@@ -1,4 +1,4 @@
-"""benchmarks/bench_gemm_shapes.py: the GEMM logger sees every matrix product of a step (the library's custom
+"""tools/studies/bench_gemm_shapes.py: the GEMM logger sees every matrix product of a step (the library's custom
 ops' products included), attributes each to its source line, and its FLOP arithmetic; the script end to end
 on the tiny preset (CPU, the Triton interpreter)."""
 
@@ -6,12 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from tools.studies import bench_gemm_shapes as bgs
 
-import bench_gemm_shapes as bgs  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
 
@@ -45,8 +45,9 @@ def test_fresh_operands_keep_broadcast_strides():
     assert torch.equal(t[0], t[2])
 
 
+@pytest.mark.slow
 def test_script_end_to_end_tiny():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_gemm_shapes.py"), "--preset", "tiny",
+    out = subprocess.run([sys.executable, "-m", "tools.studies.bench_gemm_shapes", "--preset", "tiny",
                           "--lm-head-chunks", "64", "--top", "100"],
                          capture_output=True, text=True, env=CPU_ENV, cwd=ROOT, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,13 +1,14 @@
 """Shared memory, registers and register spills of the library's tuning candidates on sm_90, without a GPU.
 
-    python benchmarks/sm90_resources.py [attention|gdn ...]
+    python -m tools.studies.sm90_resources [attention|gdn|conv ...]
 
-Each candidate config of a kernel is compiled for the H200 (sm_90) with Triton's own toolchain
-(ptxas, cuobjdump ship with the triton wheel) at the shapes of ../shared/ANCHORS.md, and one line
-per config reports the shared memory the launch needs (the H200 allows 232,448 bytes per block),
-the registers per thread, the local-memory stack, and how many spill stores/loads (STL/LDL) the
-machine code holds. A candidate that spills in a hot loop is rarely the fastest; one that needs
-more shared memory than the chip has is skipped by the tuner. Device time is scarce: check here first.
+Each candidate config of a kernel is compiled for Hopper (sm_90) with Triton's own toolchain
+(ptxas, cuobjdump ship with the triton wheel) at the DFlash training step's shapes (each ``*_cases``
+function says which), and one line per config reports the shared memory the launch needs (sm_90 allows
+232,448 bytes per block), the registers per thread, the local-memory stack, and how many spill
+stores/loads (STL/LDL) the machine code holds. A candidate that spills in a hot loop is rarely the
+fastest; one that needs more shared memory than the chip has is skipped by the tuner. No GPU is needed:
+check candidates here before timing them on one.
 
 Run without TRITON_INTERPRET (interpreted kernels cannot be compiled); ``compile_resources`` is also
 what the tests use to check that candidates fit the chip.
@@ -20,9 +21,9 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
-H200_SHARED_MEMORY = 232448  # bytes per block, as Triton reports the H200's limit
+H200_SHARED_MEMORY = 232448  # bytes per block, as Triton reports sm_90's (Hopper's) limit
 
 
 def compile_resources(fn, arg_types: dict, constexprs: dict, num_warps: int, num_stages: int,
@@ -119,7 +120,7 @@ def gdn_cases():
 
 
 def conv_cases():
-    """Causal conv1d, width 4, SiLU, bias, bf16, channel-first with 16-byte aligned rows (ANCHORS.md shapes)."""
+    """Causal conv1d, width 4, SiLU, bias, bf16, channel-first with 16-byte aligned rows."""
     from dflash_kernels.ops.conv1d import kernels as C
     common = dict(W=4, HAS_BIAS=True, HAS_SEQ=False, HAS_INIT=False, ACT=True, CHANNEL_LAST=False, ALIGNED=True)
     for name, kern, extra in [("conv_fwd", C.conv1d_fwd_kernel, {"HAS_FINAL": False}),

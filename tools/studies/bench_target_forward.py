@@ -11,7 +11,7 @@ per-launch work. Each setting runs in a process of its own: the ``do_bench`` med
 per forward from the profiler (5 forwards), and the features' relative difference from the eager row.
 With transformers that does not copy (no route to apply) the first two rows run the same code.
 
-    python benchmarks/bench_target_forward.py            # needs a CUDA GPU
+    python -m tools.studies.bench_target_forward            # needs a CUDA GPU
 """
 
 import argparse
@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
 
 
 MODES = ("eager", "route", "graphs")

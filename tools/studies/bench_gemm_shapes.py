@@ -1,9 +1,9 @@
 """Where a training step's GEMM time goes: every matrix product of one step, by shape, timed alone.
 
-    python benchmarks/bench_gemm_shapes.py [--preset real] [--top 30] [--lm-head-chunks 1024,2048] [--no-record]
+    python -m tools.studies.bench_gemm_shapes [--preset real] [--top 30] [--lm-head-chunks 1024,2048] [--no-record]
 
 A profile names cuBLAS kernels (``nvjet_sm90_tst_192x192_...``), not the products they compute. This script
-runs one step of the trainer's path (``trainer.copy_audit.trainer_step``: target features, the drafter's
+runs one step of the trainer's path (``tools.audits.copy_audit.trainer_step``: target features, the drafter's
 forward and backward with the library's ops and fused LM-head loss, clip, AdamW) under a ``TorchDispatchMode``
 that records every ``aten.mm`` / ``addmm`` / ``bmm`` / ``baddbmm`` call with its operands' shapes, strides and
 dtypes and the code that issued it (the innermost repository or transformers frame; in the backward the
@@ -28,9 +28,8 @@ import types
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library, the trainer
 
 GEMM_OPS = ("mm", "addmm", "bmm", "baddbmm")
 
@@ -59,12 +58,12 @@ class GemmLogger(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if name in GEMM_OPS:
-            from trainer.copy_audit import _frames_from_stack
+            from tools.audits.copy_audit import _frames_from_stack
 
             tensors = tuple(_layout(a) for a in args if isinstance(a, torch.Tensor))
             scalars = tuple((k, v) for k, v in sorted(kwargs.items()) if not isinstance(v, torch.Tensor))
             out = kwargs.get("out")
-            from trainer.copy_audit import _frames_from_traceback
+            from tools.audits.copy_audit import _frames_from_traceback
 
             node = torch._C._current_autograd_node()
             if node is None:
@@ -109,7 +108,7 @@ def collect(preset: str, dev, dtype):
     """GEMM calls of one step (after one unlogged warm-up step) of the trainer's path at ``preset``."""
     from tok_s import SETUPS
 
-    from trainer.copy_audit import trainer_step
+    from tools.audits.copy_audit import trainer_step
 
     setup = SETUPS[preset](types.SimpleNamespace(batch_size=None, no_build=True), dev, dtype, print)
     backend = "auto" if dev.type == "cuda" else "interpret"

@@ -1,8 +1,8 @@
 """The Gated DeltaNet forward at the real target's shape, inference only: our fused forward, our split
 forward, the library's own pick between them, and fla's, one implementation per process.
 
-    for i in fused split auto fla; do python3 benchmarks/bench_gdn_fwd_paths.py $i; done
-    python3 benchmarks/bench_gdn_fwd_paths.py split --batch 4 --heads 48
+    for i in fused split auto fla; do python3 -m tools.studies.bench_gdn_fwd_paths $i; done
+    python3 -m tools.studies.bench_gdn_fwd_paths split --batch 4 --heads 48
 
 B=1, T=3072, Hv=32 (``--batch`` / ``--heads`` change the sequences and value heads), K=V=128, bf16, q and k
 repeated to the value heads (as transformers 5.17 passes them), ``use_qk_l2norm_in_kernel=True``, under
@@ -20,7 +20,8 @@ import sys
 import torch
 import triton.testing
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library, the trainer
 
 IMPLS = ("fused", "split", "auto", "fla")
 SPLIT_ENV = {"fused": "0", "split": "1"}

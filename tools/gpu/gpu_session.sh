@@ -10,7 +10,7 @@
 #          process of its own (a peer's CUDA fault kills only its own rows)
 #   attention, gdn, overhead   benchmarks/ops.py <op>, one process each
 #   tok_s  the main job
-# Usage: bash benchmarks/gpu_session.sh [comma list of stages]   (default: all of the above)
+# Usage, from the repository root: bash tools/gpu/gpu_session.sh [comma list of stages]   (default: all of the above)
 # Knobs: PYTEST_ARGS (default "tests"), PYTEST_WORKERS, T_TEST (per test), TRAIN_ARGS, PIPE_ARGS, TOKS_ARGS
 # (default "--preset embedded"), T_<STAGE> seconds (T_CC1D=0 skips the causal-conv1d peer, T_FLA for fla's conv;
 # GDN_TUNE=0 times the gdn stage untuned; T_CONV is 150 s: tuning the Triton conv from a cold cache takes

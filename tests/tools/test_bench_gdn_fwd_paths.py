@@ -1,13 +1,11 @@
-"""The GDN forward-paths benchmark's harness on the CPU: its arguments, the forward form each implementation
-forces, and a clear refusal without a GPU (the timing itself needs one)."""
+"""tools/studies/bench_gdn_fwd_paths.py, the GDN forward-paths study's harness on the CPU: its arguments, the
+forward form each implementation forces, and a clear refusal without a GPU (the timing itself needs one)."""
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-import bench_gdn_fwd_paths as bench  # noqa: E402
+from tools.studies import bench_gdn_fwd_paths as bench
 
 
 def test_arguments():

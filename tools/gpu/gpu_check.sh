@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One batched GPU run: peers from .peers/ (wheels copied into that ignored folder), the test suite on CUDA
 # (gpu-marked tests included), then the op benchmarks. Logs go to $OUT when set.
-# Usage: bash benchmarks/gpu_check.sh "<pytest paths/args>" "<benchmarks/ops.py args>"
+# Usage, from the repository root: bash tools/gpu/gpu_check.sh "<pytest paths/args>" "<benchmarks/ops.py args>"
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check_out}
 mkdir -p "$OUT" /tmp/peers

@@ -26,14 +26,14 @@ and the forward frames of that node. :func:`audit_step` runs one step of the tra
 ``forward_loss`` -> backward -> clip -> AdamW as ``benchmarks/tok_s.py`` and ``trainer.train``) under the
 logger with the drafter in fp32 master weights under bf16 autocast (as on a GPU) and returns the events.
 
-``python -m trainer.copy_audit`` runs it on a shrunken Qwen3.5-like target whose every dimension is a
+``python -m tools.audits.copy_audit`` runs it on a shrunken Qwen3.5-like target whose every dimension is a
 distinct small number and scales each event to the ``real`` preset of ``benchmarks/tok_s.py`` (hidden
 2560, 3,072 target tokens, 512 anchors x 16 = 8,192 draft tokens, 5 drafter layers, 32 target layers)
 by mapping each small dimension to its real one, then ranks the sources by bytes moved per real step.
-``python -m trainer.copy_audit --ops add`` ranks every call of the named aten ops instead (of any kind: where a
-kernel that a GPU profile names, e.g. a bf16 ``CUDAFunctor_add``, comes from).
-``python -m trainer.copy_audit --profile real`` is the GPU side: ``benchmarks/tok_s.py``'s real step under
-``torch.profiler``, each kernel's device time charged to the function (and autograd node) that issued it.
+``python -m tools.audits.copy_audit --ops add`` ranks every call of the named aten ops instead (of any kind:
+where a kernel that a GPU profile names, e.g. a bf16 ``CUDAFunctor_add``, comes from).
+``python -m tools.audits.copy_audit --profile real`` is the GPU side: ``benchmarks/tok_s.py``'s real step
+under ``torch.profiler``, each kernel's device time charged to the function (and autograd node) that issued it.
 ``tests/trainer/test_no_hidden_copies.py`` keeps the trainer's list of such ops to the ones it chose.
 """
 
@@ -53,7 +53,7 @@ __all__ = ["CopyLogger", "Event", "audit_step", "trainer_step", "aggregate", "re
            "select_ops", "shrunken_real_setup",
            "profile_sources", "profile_tok_s", "AUDIT_DIMS", "REAL_DIMS"]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 _THIS = os.path.abspath(__file__)
 
 COPY_OPS = {"_to_copy", "copy_", "copy", "clone", "cat", "stack", "_copy_from", "_copy_from_and_resize",

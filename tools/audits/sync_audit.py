@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.copy_audit import _frames_from_stack, trainer_step
+from tools.audits.copy_audit import _frames_from_stack, trainer_step
 
 __all__ = ["SYNC_OPS", "SyncPoint", "SyncLogger", "sync_points"]
 
@@ -28,7 +28,7 @@ SYNC_OPS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "masked_sele
 @dataclasses.dataclass(frozen=True)
 class SyncPoint:
     op: str
-    frames: tuple  # trainer.copy_audit.Frame, outermost first
+    frames: tuple  # tools.audits.copy_audit.Frame, outermost first
 
     def where(self) -> str:
         return " < ".join(str(f) for f in reversed(self.frames)) or "?"
@@ -52,7 +52,7 @@ class SyncLogger(TorchDispatchMode):
 
 def sync_points(setup, dtype=torch.bfloat16, backend="reference", warmup: int = 1):
     """The :class:`SyncPoint` list of one training step after ``warmup`` unlogged ones (``setup`` as
-    ``trainer.copy_audit.audit_step``'s: ``(cfg, target, dataset)``); the batch is made outside the
+    ``tools.audits.copy_audit.audit_step``'s: ``(cfg, target, dataset)``); the batch is made outside the
     logger, as the data loader does."""
     with trainer_step(setup, dtype, backend) as (step, batch):
         for i in range(warmup):

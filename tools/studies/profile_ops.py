@@ -1,6 +1,6 @@
 """Per-kernel GPU time of one op call, for finding where the time goes (GPU only).
 
-``python benchmarks/profile_ops.py attention gdn conv``: each op at its benchmark shape (the first of
+``python -m tools.studies.profile_ops attention gdn conv``: each op at its benchmark shape (the first of
 ``bench_attention.SHAPES`` / ``bench_gdn.SHAPES[1]`` / B=8, C=10240, T=16384 conv), forward + backward,
 through ``torch.profiler``; prints one line per kernel (calls, total and mean microseconds per call
 of the op) and the config the runtime chose for each compiled key. fla's GDN forward is profiled
@@ -75,8 +75,8 @@ def conv():
 
 if __name__ == "__main__":
     import os
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:0] = [here, os.path.dirname(here)]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path[:0] = [os.path.join(root, "benchmarks"), root]  # bench_attention, bench_gdn; the library
     import dflash_kernels
     for name in sys.argv[1:] or ["attention", "gdn", "conv"]:
         try:
