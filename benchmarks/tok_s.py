@@ -22,13 +22,13 @@ weighted CE -> backward -> clip -> AdamW) is timed with several sets of backends
   ``F.cross_entropy``) and torch's default (foreach) AdamW;
 - (c) ``reference``: ``dflash_kernels.set_backend(op, "reference")`` for every op, plain torch.
 
-A/B rows, each (a) or (b) with one thing changed (``--groups a,e`` etc.; not in the default): (e) the
+Comparison rows, each (a) or (b) with one thing changed (``--groups a,e`` etc.; not in the default): (e) the
 plain torch norm / RoPE / SwiGLU chains; (k) ``compute_weights="autocast"``; (m) ``"copies"`` explicitly
 (on a CPU (a) follows "auto", i.e. autocast); (n) and (bn) the target's forward eager; (r) without the
 GDN layer route; (w) and (bw) the drafter's step eager; (s) the split GDN forward forced
 (``DFLASH_KERNELS_GDN_FWD_SPLIT=1`` for the row: the state scan, then the output over all chunks at once)
-and (f) the fused one (``=0``), the A/B of the library's own choice, which splits for few sequences and
-heads (the ``real`` target's B=1, Hv=32).
+and (f) the fused one (``=0``), the two sides of the library's own choice, which splits for few sequences
+and heads (the ``real`` target's B=1, Hv=32).
 
 (b+) is the strongest stack a user could assemble without the library (``--groups b,b+``; GPU only): (b)
 plus each peer piece alone, one row each: Liger Kernel's fused linear cross-entropy (``b+liger``) or Cut
@@ -103,16 +103,16 @@ GROUPS = ("a", "b", "b+", "bn", "bw", "c", "e", "f", "k", "m", "n", "r", "s", "w
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python benchmarks/tok_s.py", usage="%(prog)s [--preset NAME] [--groups LIST] [options]",
-        description="Drafter-training throughput (tokens/s) of one DFlash training step, with the library's "
-        "kernels, its peers and the plain torch references, one row each.",
-        epilog="The groups, presets and columns: the module docstring of benchmarks/tok_s.py.")
+        description="Drafter-training throughput (tokens/s) of one DFlash training step: the library's kernels "
+        "(a), its peers (b), plain torch (c), one row each; the other groups change one thing of (a) or (b).",
+        epilog="Groups, presets and columns: docs/benchmarks.md (and this file's docstring).")
     run = p.add_argument_group("what runs")
     run.add_argument("--preset", action="append", choices=["embedded", "real", "tiny"], metavar="NAME",
                      help="tiny, real or embedded; repeatable (default: tiny on a CPU, embedded and real on a GPU)")
     run.add_argument("--device", default="auto", metavar="DEV", help="auto (cuda if available), cuda or cpu")
     ab_rows = ",".join(g for g in GROUPS if g not in ("a", "b", "c"))
     run.add_argument("--groups", default="a,b,c", metavar="LIST", help="rows: a (dflash_kernels), b (peers), "
-                     f"c (reference) (default: a,b,c); A/B rows: {ab_rows}")
+                     f"c (reference) (default: a,b,c); also {ab_rows}")
     run.add_argument("--plus", default="", metavar="LIST", help="(b+) variants run alone (default: "
                      "liger,cce,liger-ew)")
     run.add_argument("--batch-size", type=int, default=None, metavar="N", help="sequences per step "
@@ -223,7 +223,8 @@ def group_plan(group: str, dev) -> dict:
     """``{"label", "backends": {op: name}, "flex": bool}`` or ``{"skip": reason}``."""
     cpu = dev.type != "cuda"
     if group == "w" and cpu:
-        return {"label": "(w) (a) with the drafter's step eager", "skip": "the A/B of the step's CUDA graphs: a GPU only"}
+        return {"label": "(w) (a) with the drafter's step eager",
+                "skip": "the comparison of the step's CUDA graphs: a GPU only"}
     if group in ("a", "e", "f", "k", "m", "n", "r", "s", "w"):
         name = "interpret" if cpu else "auto"
         plan = {"label": "(a) dflash_kernels", "backends": {op: name for op in OPS}, "flex": False,
@@ -682,6 +683,18 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
 
     row["shape_pass"] = TIMING["shape_pass"]
     row["target_graphs"] = graphs
+    precompile_s = 0.0
+    if dev.type == "cuda" and not group.startswith(("b", "c")):
+        # The library's kernels recorded for this GPU model (shipped, or by an earlier run with this cache)
+        # compile in parallel processes before the first step: part of the first step's cost, timed as such.
+        rep = dk.precompile_recorded(dev, verbose=False)
+        precompile_s = rep["seconds"]
+        row["precompiled"] = {k: rep[k] for k in ("recorded", "current", "compiled", "workers", "errors")}
+
+    def compile_tune_s():
+        info = dk.cache_info().values()
+        return sum(v["compile_s"] for v in info), sum(v["tune_s"] for v in info)
+
     spans = StepSpans(dev)
     for i in range(warmup + steps):
         if i == warmup:
@@ -695,13 +708,20 @@ def _run_group(setup: Setup, group: str, steps: int, warmup: int, dev, dtype, re
                 flex.mask_s = 0.0
             t_timed = time.perf_counter()
         t0 = time.perf_counter()
+        if i == 0:
+            compile0, tune0 = compile_tune_s()
         if i >= warmup:
             spans.mark("start")
         batch, loss = train_step(i)
         if i == 0:
             row["loss_step1"] = loss.item()
             _sync(dev)
-            row["first_step_s"] = time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            compile1, tune1 = compile_tune_s()
+            row["first_step_s"] = precompile_s + wall
+            row["first_step_split"] = {"precompile": precompile_s, "compile": compile1 - compile0,
+                                       "tune": tune1 - tune0,
+                                       "step": wall - (compile1 - compile0) - (tune1 - tune0)}
         if i >= warmup:
             tokens += int(batch["lengths"].sum())
             timed.append(batch)  # its FLOPs are counted after the clock stops (host work, not the step's)
@@ -752,9 +772,11 @@ def run_preset(name, args, dev, dtype, log) -> list:
     cuda = dev.type == "cuda"
     steps = args.steps or (10 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (2 if cuda else 1)
+    t_build = time.perf_counter()
     setup = SETUPS[name](args, dev, dtype, log)
     if setup is None:
         return []
+    build_s = time.perf_counter() - t_build
     c = setup.cfg
     log(f"\n== preset {name}: {setup.note}; batch {c.batch_size} x {c.max_len} tokens, {c.num_anchors} anchors, "
         f"drafter {c.num_layers} layers {c.num_heads}x{c.head_dim} heads; {dtype}; {warmup} warm-up + {steps} timed steps")
@@ -765,6 +787,7 @@ def run_preset(name, args, dev, dtype, log) -> list:
             f"{'the shape pass, ' if TIMING['shape_pass'] else ''}then {timed} timed ...")
         try:
             row = run_group(setup, g, steps, warmup, dev, dtype, args.reference_steps, args.profile, log)
+            row["target_build_s"] = build_s
         except Exception as e:  # noqa: BLE001 - a failing backend is a row, not a crash
             row = {"preset": name, "group": group_plan(g, dev).get("label", g),
                    "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -902,7 +925,8 @@ COLUMNS = [
     ("peak_GiB", "peak GiB", "{:.2f}", True, "most device memory allocated during the timed steps"),
     ("reserved_GiB", "reserved GiB", "{:.2f}", True, "most device memory the caching allocator held (CUDA graph "
      "pools included)"),
-    ("first_step_s", "1st step s", "{:.1f}", False, "the first step's seconds, compilation and tuning included"),
+    ("first_step_s", "1st step s", "{:.1f}", False, "the first step's seconds, compiling and tuning its kernels "
+     "included (on a GPU the row's line above splits it: parallel precompile, compile, tune, the step)"),
     ("mask_ms", "mask ms", "{:.1f}", True, "(b)'s flex BlockMask build per step"),
     ("device_idle_ms", "GPU idle ms", "{:.1f}", True, "step time less the profiled device time per step: the GPU "
      "waiting for the host (--profile)"),
@@ -963,9 +987,15 @@ def row_line(row: dict, verbose: bool = False) -> str:
         return f"    {row}"
     if "skipped" in row or "error" in row:
         return f"    {row['group']}: {'skipped: ' + row['skipped'] if 'skipped' in row else 'error: ' + row['error']}"
-    nan, first = float("nan"), row.get("first_step_s")
+    nan, first, split = float("nan"), row.get("first_step_s"), row.get("first_step_split")
+    parts = ""
+    if split is not None:
+        parts = ": " + ", ".join(f"{name} {split[name]:.1f}s" for name in ("precompile", "compile", "tune", "step")
+                                 if name == "step" or split[name] >= 0.05)
+        if row.get("target_build_s") is not None:
+            parts += f"; target built in {row['target_build_s']:.1f}s before it"
     return (f"    {row['group']}: {row.get('tok_s', nan):,.0f} tokens/s, {row.get('ms_step', nan):.1f} ms/step"
-            + (f" (first step {first:.1f}s)" if first is not None else ""))
+            + (f" (first step {first:.1f}s{parts})" if first is not None else ""))
 
 
 def env_info() -> dict:

@@ -12,6 +12,7 @@ from dflash_kernels.runtime import (  # noqa: E402
     cache_info,
     get_backend,
     precompile,
+    precompile_recorded,
     reset_cache,
     set_backend,
     strict,
@@ -38,6 +39,6 @@ from dflash_kernels.ops.gated_delta_rule import (  # noqa: E402
 __all__ = [
     "__version__", "BackendUnavailable", "apply_rope", "BlockSparseMask", "block_sparse_attention", "causal_block_mask",
     "dflash_block_mask", "from_flex_block_mask", "KernelCacheMiss", "backends", "cache_info", "causal_conv1d",
-    "causal_conv1d_update", "chunk_gated_delta_rule", "fused_adamw_", "fused_add_rms_norm", "fused_recurrent_gated_delta_rule", "get_backend", "linear_cross_entropy", "precompile", "reset_cache", "rms_norm", "rms_norm_gated", "set_backend", "strict", "swiglu",
+    "causal_conv1d_update", "chunk_gated_delta_rule", "fused_adamw_", "fused_add_rms_norm", "fused_recurrent_gated_delta_rule", "get_backend", "linear_cross_entropy", "precompile", "precompile_recorded", "reset_cache", "rms_norm", "rms_norm_gated", "set_backend", "strict", "swiglu",
     "swiglu_packed",
 ]

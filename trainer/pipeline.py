@@ -461,6 +461,14 @@ def _setup(cfg: TrainConfig, resume: bool, log: RunLog, dist: Dist = None, overw
 def _precompile(R: PipelineState):
     cfg, log = R.cfg, R.log
     specs = attention_precompile_specs(cfg, R.replicas[0].config, R.dtype)
+    models = {}
+    for d in dict.fromkeys(list(R.ddevs) + list(R.targets)):
+        if torch.device(d).type == "cuda":
+            models.setdefault(torch.cuda.get_device_name(d), d)
+    for d in models.values():  # Triton's compile cache is per GPU model: one parallel pass each
+        rep = dk.precompile_recorded(d, verbose=False)
+        log(f"precompile: {rep['compiled']} recorded kernels compiled by {rep['workers']} processes on "
+            f"{torch.cuda.get_device_name(d)} in {rep['seconds']:.1f}s")
     for d in dict.fromkeys(R.ddevs):
         rep = dk.precompile(specs, devices=[d])
         log(f"precompile: drafter attention on {d}: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")

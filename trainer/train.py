@@ -70,6 +70,10 @@ def _precompile(cfg: TrainConfig, drafter, opt, dev, dtype, log):
         specs += opt.precompile_specs(cfg.grad_clip)
     log(f"precompile: the {len(specs)} kernels of this run's shapes on {dev}, compiled and tuned (once per GPU model "
         f"and shape; minutes the first time) or found in the cache ...")
+    if dev.type == "cuda":
+        rec = dk.precompile_recorded(dev, verbose=False)
+        log(f"precompile: {rec['compiled']} recorded kernels compiled by {rec['workers']} processes in "
+            f"{rec['seconds']:.1f}s")
     rep = dk.precompile(specs, devices=[dev])
     log(f"precompile: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")
 

@@ -8,7 +8,7 @@ from dflash_kernels.runtime.backends import (Op, bucket, cdiv, get_backend, next
 from dflash_kernels.runtime.choice import Choice
 from dflash_kernels.runtime.errors import BackendUnavailable, KernelCacheMiss, TuningCacheWarning
 from dflash_kernels.runtime.kernel import Config, TritonKernel, cache_info, reset_cache
-from dflash_kernels.runtime.precompile import precompile, register_precompile
+from dflash_kernels.runtime.precompile import precompile, precompile_recorded, register_precompile
 from dflash_kernels.runtime.settings import cache_dir, interpreting, is_strict, strict
 
 if interpreting():
@@ -18,6 +18,6 @@ if interpreting():
 
 __all__ = [
     "BackendUnavailable", "Choice", "Config", "Op", "bucket", "cdiv", "next_pow2", "KernelCacheMiss", "TritonKernel",
-    "backends", "cache_dir", "cache_info", "get_backend", "is_strict", "precompile", "register_op", "register_precompile",
+    "backends", "cache_dir", "cache_info", "get_backend", "is_strict", "precompile", "precompile_recorded", "register_op", "register_precompile",
     "reset_cache", "resolve", "set_backend", "strict", "TuningCacheWarning",
 ]

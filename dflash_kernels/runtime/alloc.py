@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from dflash_kernels.runtime import settings
+
 __all__ = ["empty", "empty_like", "poisoning"]
 
 
@@ -19,12 +21,18 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def empty(*shape, dtype, device) -> torch.Tensor:
-    t = torch.empty(*shape, dtype=dtype, device=device)
+def _filled(t: torch.Tensor) -> torch.Tensor:
+    if settings.compile_shard() is not None:
+        # A precompile compile worker launches no kernel: outputs read back by the host (counts, sizes) are
+        # zeros there, never what the allocator left.
+        return t.zero_()
     return _poison(t) if poisoning() else t
+
+
+def empty(*shape, dtype, device) -> torch.Tensor:
+    return _filled(torch.empty(*shape, dtype=dtype, device=device))
 
 
 def empty_like(x: torch.Tensor, dtype=None) -> torch.Tensor:
     """Like ``torch.empty_like``: keeps x's strides when x is dense (channel-last views included)."""
-    t = torch.empty_like(x, dtype=dtype)
-    return _poison(t) if poisoning() else t
+    return _filled(torch.empty_like(x, dtype=dtype))

@@ -77,7 +77,13 @@ class Choice:
             store = tuning.store()
             name = self.persist_name(key)
             saved = store.get(dev, name)
-            if saved is not None:
+            if settings.compile_shard() is not None:
+                # A precompile compile worker: every implementation runs once, so each compiles its kernels
+                # (nothing launches there, so nothing is timed or stored).
+                for run in candidates.values():
+                    run()
+                impl = saved["impl"] if saved is not None else self.default
+            elif saved is not None:
                 impl = saved["impl"]
             elif not settings.tuning_enabled():
                 impl = self.default

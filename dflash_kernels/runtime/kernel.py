@@ -18,11 +18,13 @@ Kernel signatures put every runtime parameter first and every ``tl.constexpr`` l
 import inspect
 import threading
 import time
+import zlib
 
 import torch
 import triton
 from triton import knobs
 from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import MockTensor
 
 from dflash_kernels.runtime import choice, settings, tuning
 from dflash_kernels.runtime.devices import current_stream, on_device
@@ -50,6 +52,48 @@ except ImportError:  # pragma: no cover - CPU-only builds of torch
 
 def _no_fast_spec(*args):
     return None
+
+
+def describe_launch(args, constexprs):
+    """A launch's signature as JSON: per runtime argument ``["T", dtype, 16-byte aligned]`` (a tensor), ``["I",
+    value]``, ``["F", value]``, ``["B", value]`` or ``["N"]``; the constexprs by name. None when an argument or
+    constexpr is of another type (such a launch is not recorded)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(["T", str(a.dtype).replace("torch.", ""), a.data_ptr() % 16 == 0])
+        elif a is None:
+            out.append(["N"])
+        elif type(a) is bool:
+            out.append(["B", a])
+        elif type(a) is int:
+            out.append(["I", a])
+        elif type(a) is float:
+            out.append(["F", a])
+        else:
+            return None
+    if not all(v is None or type(v) in (bool, int, float, str) for v in constexprs.values()):
+        return None
+    return {"args": out, "constexprs": dict(constexprs)}
+
+
+class _UnalignedMock(MockTensor):
+    @staticmethod
+    def data_ptr():
+        return 8
+
+
+def _mock_arg(desc):
+    """The stand-in of a recorded argument that Triton's ``warmup`` specializes exactly as the real one."""
+    kind = desc[0]
+    if kind == "T":
+        dtype = getattr(torch, desc[1])
+        return MockTensor(dtype) if desc[2] else _UnalignedMock(dtype)
+    return None if kind == "N" else desc[1]
+
+
+def _no_launch(grid, args):
+    """The launch of a precompile compile worker's entries: compiled, never run (see ``_compile_share``)."""
 
 
 def _active(hook):
@@ -262,6 +306,11 @@ class TritonKernel:
                 entry.hits += 1
                 return entry
             settings.check_strict(self.name, key)
+            shard = settings.compile_shard()
+            if shard is not None and not self.interpreted:
+                entry = self._compile_share(key, args, constexprs, dev, shard)
+                self._cache[key] = entry
+                return entry
             entry = _Entry()
             t0 = time.perf_counter()
             if self.interpreted:
@@ -271,6 +320,8 @@ class TritonKernel:
             entry.config, entry.meta, entry.launch = self._launcher_that_fits(config, constexprs, args, dev)
             entry.compiles += 1
             entry.compile_s = time.perf_counter() - t0 - entry.tune_s
+            if not self.interpreted:
+                self._record_signature(key, args, constexprs, dev)
             if settings.verbose():
                 print(f"[dflash_kernels] compiled {self.name} {key!r} -> {config} "
                       f"({entry.compile_s:.2f}s compile, {entry.tune_s:.2f}s tune, {entry.tuned_from})")
@@ -291,6 +342,74 @@ class TritonKernel:
                     raise
                 if settings.verbose():
                     print(f"[dflash_kernels] {self.name}: {cfg} does not fit ({e}); trying {order[i + 1]}")
+
+    def _record_signature(self, key, args, constexprs, dev):
+        """Save the key's launch signature in the tuning store (once per GPU model), so that
+        ``precompile_recorded`` can compile it ahead of time in a fresh process or on another machine."""
+        signature = describe_launch(args, constexprs)
+        if signature is None:
+            return
+        store = tuning.store()
+        name = tuning.SIGNATURE_PREFIX + self._persist_name(key)
+        if store.get(dev, name) is None:
+            store.put(dev, name, signature)
+
+    def compile_signature(self, persist_name, signature, dev, shard):
+        """Compile, into Triton's on-disk cache, this worker's share (``shard``: (index, count)) of the configs
+        a recorded launch signature will need: its stored tuning result's config, else every candidate when
+        tuning is on, else the first. Returns the number compiled."""
+        index, shards = shard
+        configs = [self.configs[0]]
+        if len(self.configs) > 1 and settings.tuning_enabled():
+            saved, _ = tuning.store().lookup(dev, persist_name)
+            configs = [Config.from_dict(saved["config"])] if saved is not None else self.configs
+        args = [_mock_arg(a) for a in signature["args"]]
+        n = 0
+        for config in configs:
+            if zlib.crc32(f"{persist_name}|{config!r}".encode()) % shards != index:
+                continue
+            meta = {**signature["constexprs"], **config.meta}
+            try:
+                with on_device(dev):
+                    compiled = self.fn.warmup(*args, *self._full_meta(meta), grid=(1,), num_warps=config.num_warps,
+                                              num_stages=config.num_stages)
+                    # Also builds the launcher (host code Triton compiles with the system's C compiler per
+                    # signature, cached beside the kernel): a fraction of a second each, off the first step too.
+                    compiled._init_handles()
+                n += 1
+            except OutOfResources:  # not a candidate on this GPU
+                pass
+        return n
+
+    def _compile_share(self, key, args, constexprs, dev, shard):
+        """A precompile compile worker's miss: compile this worker's share of the configs the key will need
+        (its stored config when the tuning store has one, else every candidate when tuning is on, else the
+        first) into Triton's on-disk cache, and launch nothing. The share is a stable hash of (kernel, key,
+        config) modulo the number of workers, so the workers split every key's configs between them and the
+        main process then finds each one compiled."""
+        index, shards = shard
+        entry = _Entry()
+        entry.tuned_from = "compile-only"
+        configs = [self.configs[0]]
+        if len(self.configs) > 1 and settings.tuning_enabled():
+            saved, _ = tuning.store().lookup(dev, self._persist_name(key))
+            configs = [Config.from_dict(saved["config"])] if saved is not None else self.configs
+        t0 = time.perf_counter()
+        for config in configs:
+            if zlib.crc32(f"{self.name}|{key[:3]!r}|{config!r}".encode()) % shards != index:
+                continue
+            meta = {**constexprs, **config.meta}
+            try:
+                with on_device(dev):
+                    self.fn.warmup(*args, *self._full_meta(meta), grid=(1,), num_warps=config.num_warps,
+                                   num_stages=config.num_stages)._init_handles()  # the launcher too
+                entry.compiles += 1
+            except OutOfResources:  # not a candidate on this GPU: the main process skips it too
+                pass
+        entry.compile_s = time.perf_counter() - t0
+        entry.config, entry.meta = configs[0], {**constexprs, **configs[0].meta}
+        entry.launch = _no_launch
+        return entry
 
     def _full_meta(self, meta):
         return tuple(meta[n] if n in meta else self.constexpr_defaults[n] for n in self.constexpr_names)
@@ -397,6 +516,13 @@ def cache_info() -> dict:
     """Per compiled key: hits, compiles, compile and tune seconds, chosen config.
 
     Keys are ``(kernel name, bucket, constexprs, argument specialization, device index)``.
+
+    Returns:
+        ``{key: {"hits", "compiles", "compile_s", "tune_s", "config", "tuned_from"}}``; ``config`` is the chosen
+        config as a dict, ``tuned_from`` where it came from: ``timed`` (tuned here), ``disk`` (this cache
+        folder), ``packaged`` (shipped with the package), ``single`` (one candidate), ``disabled``
+        (``DFLASH_KERNELS_TUNE=0``), ``compile-only`` (a precompile compile worker) or ``none`` (the
+        interpreter).
     """
     info = {}
     for k in all_kernels():
@@ -406,7 +532,8 @@ def cache_info() -> dict:
 
 def reset_cache() -> None:
     """Forget every compiled kernel and every timed choice among implementations (``choice.py``);
-    persisted tuning results stay on disk."""
+    persisted tuning results stay on disk. Takes no arguments and returns None; the next call of each
+    kernel compiles it again (and reads its tuning from disk)."""
     for k in all_kernels():
         k.reset()
     choice.reset_choices()

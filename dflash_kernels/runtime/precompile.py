@@ -5,16 +5,24 @@ backward when asked) through the normal launch path, so exactly the keys a real 
 compiled. Afterwards :func:`dflash_kernels.strict` turns any further compile into an error.
 """
 
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
+import warnings
 
 import torch
 
-from dflash_kernels.runtime.kernel import cache_info
+from dflash_kernels.runtime import settings, tuning
+from dflash_kernels.runtime.devices import gpu_model
+from dflash_kernels.runtime.kernel import all_kernels, cache_info
 
-__all__ = ["register_precompile", "precompile"]
+__all__ = ["register_precompile", "precompile", "precompile_recorded"]
 
 _builders = {}
+WORKER_TIMEOUT_S = 1800.0  # the parallel pass's limit; a hung compile process is killed and reported
 
 
 def register_precompile(op: str, *more: str):
@@ -41,43 +49,227 @@ def register_precompile(op: str, *more: str):
     return wrap
 
 
-def precompile(specs, devices=None, backward=True, verbose=True) -> dict:
+def precompile(specs, devices=None, backward=True, verbose=True, workers=None) -> dict:
     """Compile (and on the GPU tune) every kernel that ``specs`` need.
+
+    On a GPU the compiling runs in parallel first: ``workers`` processes each run every spec in compile-only
+    mode (no kernel launches; each compiles its share of every key's configs into Triton's on-disk cache).
+    Then this process runs the specs in order as a real call would: each kernel is found compiled on disk
+    (milliseconds) and only the timing of untuned keys is left. The second pass is the one that counts:
+    a worker that fails only costs time, and is reported.
 
     Args:
         specs: iterable of ``(op, shape, dtype)`` tuples; ``shape`` is a dict of the op's sizes
             (e.g. ``dict(B=1, D=1024, T=4096, W=4)`` for ``conv1d``).
         devices: devices to compile for (default: every visible CUDA device, else the CPU).
         backward: also compile the backward kernels.
-        verbose: print one progress line per spec.
+        verbose: print a progress line per spec (with the time left) and per worker.
+        workers: compile processes (default: ``DFLASH_KERNELS_PRECOMPILE_WORKERS``, else the machine's cores
+            up to 16 on a GPU; 0 or 1: no parallel pass). Never used on the CPU, where nothing compiles.
 
     Returns:
-        ``{"seconds": total, "items": [{op, shape, dtype, device, seconds, new_keys}], "keys": [...]}``.
+        ``{"seconds", "items": [{op, shape, dtype, device, seconds, new_keys, compiled, tuned, stored}],
+        "keys": [...], "parallel": {"workers", "seconds", "compiled", "errors"} or None}``: per spec, the
+        new keys and how each got its config (``tuned``: timed here; ``stored``: found in the tuning store
+        or shipped with the package; ``compiled``: every new key).
     """
     if devices is None:
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = [torch.device("cuda", i) for i in range(n)] or [torch.device("cpu")]
+    devices = [torch.device(d) for d in devices]
     specs = list(specs)
     for op, _, _ in specs:
         if op not in _builders:
             raise ValueError(f"specs: unknown op {op!r}; precompilable ops: {sorted(_builders)}")
+    t_start = time.perf_counter()
+    workers = default_workers(devices) if workers is None else int(workers)
+    parallel = None
+    if workers > 1 and specs and any(d.type == "cuda" for d in devices) and not settings.interpreting():
+        parallel = _parallel_compile(specs, devices, backward, workers, verbose)
     before = set(cache_info())
-    items, t_start = [], time.perf_counter()
+    items = []
     total = len(specs) * len(devices)
+    t_serial = time.perf_counter()
     for device in devices:
-        device = torch.device(device)
         for op, shape, dtype in specs:
             known = set(cache_info())
             t0 = time.perf_counter()
             _builders[op](dict(shape), dtype, device, backward)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            new = sorted(set(cache_info()) - known, key=repr)
+            info = cache_info()
+            new = sorted(set(info) - known, key=repr)
             item = {"op": op, "shape": dict(shape), "dtype": str(dtype), "device": str(device),
-                    "seconds": time.perf_counter() - t0, "new_keys": len(new)}
+                    "seconds": time.perf_counter() - t0, "new_keys": len(new), "compiled": len(new),
+                    "tuned": sum(info[k]["tuned_from"] == "timed" for k in new),
+                    "stored": sum(info[k]["tuned_from"] in ("disk", "packaged") for k in new)}
             items.append(item)
             if verbose:
-                print(f"[dflash_kernels] precompile {len(items)}/{total}: {op} {shape} {dtype} on {device}: "
-                      f"{item['new_keys']} new kernels in {item['seconds']:.2f}s", file=sys.stderr, flush=True)
+                done = len(items)
+                left = (time.perf_counter() - t_serial) / done * (total - done)
+                print(f"[dflash_kernels] precompile {done}/{total}: {op} {shape} {dtype} on {device}: "
+                      f"{item['new_keys']} new kernels ({item['tuned']} tuned, {item['stored']} with stored "
+                      f"tuning) in {item['seconds']:.2f}s" + (f"; about {left:.0f}s left" if done < total else ""),
+                      file=sys.stderr, flush=True)
     keys = sorted(set(cache_info()) - before, key=repr)
-    return {"seconds": time.perf_counter() - t_start, "items": items, "keys": keys}
+    return {"seconds": time.perf_counter() - t_start, "items": items, "keys": keys, "parallel": parallel}
+
+
+def default_workers(devices) -> int:
+    """Compile processes for :func:`precompile`: ``DFLASH_KERNELS_PRECOMPILE_WORKERS`` when set, else the
+    usable cores up to 16 when a device is a GPU (compiling is one core's work per kernel), else 0."""
+    env = os.environ.get("DFLASH_KERNELS_PRECOMPILE_WORKERS", "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"DFLASH_KERNELS_PRECOMPILE_WORKERS: expected a whole number, got {env!r}") from None
+        if n < 0:
+            raise ValueError(f"DFLASH_KERNELS_PRECOMPILE_WORKERS: expected >= 0, got {n}")
+        return n
+    if not any(torch.device(d).type == "cuda" for d in devices):
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, 16)
+
+
+def _parallel_compile(specs, devices, backward, workers, verbose) -> dict:
+    """Run every spec in ``workers`` compile-only processes, one device per GPU model (Triton's on-disk cache
+    is keyed by the GPU's architecture, not its index). Processes are started as ``python -m`` children, not
+    by multiprocessing: a user's script without a ``__main__`` guard is never run again."""
+    t0 = time.perf_counter()
+    by_model = {}
+    for d in devices:
+        by_model.setdefault(torch.cuda.get_device_name(d) if d.type == "cuda" else d.type, d)
+    builders = {op: _builders[op].__module__ for op, _, _ in specs}
+    runnable = [s for s in specs if builders[s[0]] != "__main__"]  # builders a child can import
+    job = {"specs": [(op, encode(dict(shape)), encode(dtype)) for op, shape, dtype in runnable],
+           "modules": sorted(set(builders[op] for op, _, _ in runnable)), "backward": bool(backward),
+           "devices": [str(d) for d in by_model.values()], "shards": workers}
+    compiled, errors = _run_workers(job, workers, verbose)
+    seconds = time.perf_counter() - t0
+    if verbose:
+        print(f"[dflash_kernels] precompile: {workers} compile processes built {compiled} kernels in {seconds:.1f}s"
+              + (f"; {len(errors)} problems (the pass below compiles what they left):\n  " + "\n  ".join(errors)
+                 if errors else ""), file=sys.stderr, flush=True)
+    if errors:
+        warnings.warn(f"precompile: the parallel compile pass had {len(errors)} problems (the serial pass compiles "
+                      f"what it left): {errors[0]}", RuntimeWarning, stacklevel=3)
+    return {"workers": workers, "seconds": seconds, "compiled": compiled, "errors": errors}
+
+
+def precompile_recorded(device=None, workers=None, verbose=True) -> dict:
+    """Compile, in parallel worker processes, every kernel launch recorded for this GPU model: by any earlier
+    run on it with this cache folder, and shipped with the package (``runtime/tuned/``). Each compiles into
+    Triton's on-disk cache, so this process's first call of such a kernel loads it in milliseconds instead of
+    compiling it. Signatures of edited kernels are never used (their source hash differs).
+
+    A fresh machine's first step pays this (seconds, on many cores) instead of compiling one kernel at a time.
+    Nothing runs on the CPU (nothing compiles there).
+
+    Args:
+        device: the GPU (default: the current CUDA device).
+        workers: compile processes (default as :func:`precompile`'s).
+        verbose: print what was compiled, skipped and how long it took.
+
+    Returns:
+        ``{"recorded", "current", "compiled", "workers", "seconds", "errors"}``: signatures found, those of
+        the current kernel sources, kernels compiled.
+    """
+    t0 = time.perf_counter()
+    report = {"recorded": 0, "current": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "errors": []}
+    if not torch.cuda.is_available() or settings.interpreting():
+        return report
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return report
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    recorded = tuning.store().entries(index, tuning.SIGNATURE_PREFIX)
+    hashes = {k.name: k._source_hash for k in all_kernels()}
+
+    def current(name):
+        kernel, _, rest = name[len(tuning.SIGNATURE_PREFIX):].partition("|")
+        return hashes.get(kernel) == rest.partition("|")[0]
+
+    entries = {n: v for n, v in recorded.items() if current(n)}
+    report.update(recorded=len(recorded), current=len(entries))
+    workers = default_workers([dev]) if workers is None else int(workers)
+    report["workers"] = workers = max(1, min(workers, len(entries))) if entries else 0
+    if entries:
+        job = {"device": f"cuda:{index}", "shards": workers, "signatures": entries}
+        report["compiled"], report["errors"] = _run_workers(job, workers, verbose, "--signatures")
+    report["seconds"] = time.perf_counter() - t0
+    if verbose:
+        print(f"[dflash_kernels] precompile_recorded on {gpu_model(index)}: {report['current']} recorded kernel "
+              f"launches of the current sources ({report['recorded'] - report['current']} of edited kernels "
+              f"skipped), {report['compiled']} kernels compiled by {workers} processes in {report['seconds']:.1f}s"
+              + (f"; {len(report['errors'])} problems: " + "; ".join(report["errors"][:3]) if report["errors"]
+                 else ""), file=sys.stderr, flush=True)
+    if report["errors"]:
+        warnings.warn(f"precompile_recorded: {len(report['errors'])} problems (those kernels compile at their first "
+                      f"call): {report['errors'][0]}", RuntimeWarning, stacklevel=2)
+    return report
+
+
+def _run_workers(job, workers, verbose, mode=None):
+    """Run ``workers`` compile processes on ``job``; returns (kernels compiled, problems)."""
+    t0 = time.perf_counter()
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="dflash_kernels_precompile_") as tmp:
+        path = os.path.join(tmp, "job.json")
+        with open(path, "w") as f:
+            json.dump(job, f)
+        # The children import what this process imports: the package and the builders' modules by this
+        # process's import path (a script run from a checkout, not installed, included).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if isinstance(p, str) and p))
+        for i in range(workers):
+            cmd = [sys.executable, "-m", "dflash_kernels.runtime.compile_worker"] + ([mode] if mode else []) + [
+                path, str(i)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        compiled, errors = 0, []
+        for i, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(60.0, WORKER_TIMEOUT_S - (time.perf_counter() - t0)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                err = f"killed after {WORKER_TIMEOUT_S:.0f}s; " + err
+            result = _worker_result(out)
+            if p.returncode != 0 or result is None:
+                errors.append(f"worker {i}: exit {p.returncode}: {err.strip()[-600:]}")
+                continue
+            compiled += result["compiled"]
+            errors += [f"worker {i}: {e}" for e in result["errors"]]
+            if verbose:
+                print(f"[dflash_kernels] precompile: compile process {i + 1}/{workers} done "
+                      f"({time.perf_counter() - t0:.1f}s)", file=sys.stderr, flush=True)
+    return compiled, errors
+
+
+def encode(value):
+    """A spec's shape or dtype as JSON for a worker: torch dtypes as ``{"dtype": name}``, recursively."""
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).replace("torch.", "")}
+    if isinstance(value, dict):
+        return {k: encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    return value
+
+
+def decode(value):
+    """The inverse of :func:`encode`."""
+    if isinstance(value, dict):
+        if set(value) == {"dtype"} and isinstance(value["dtype"], str):
+            return getattr(torch, value["dtype"])
+        return {k: decode(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    return value
+
+
+def _worker_result(out: str):
+    for line in reversed((out or "").splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return None

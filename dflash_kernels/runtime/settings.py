@@ -73,6 +73,21 @@ def compile_candidates_only() -> bool:
     return os.environ.get("DFLASH_KERNELS_TUNE", "1").strip() == "compile"
 
 
+# Set only in the compile workers of ``precompile`` (runtime/precompile.py): (shard, shards). There a kernel-cache
+# miss compiles its share of the key's configs into Triton's on-disk cache and launches nothing.
+_compile_shard = None
+
+
+def compile_shard():
+    """``(shard, shards)`` in a precompile compile worker, else None."""
+    return _compile_shard
+
+
+def set_compile_shard(shard) -> None:
+    global _compile_shard
+    _compile_shard = None if shard is None else (int(shard[0]), int(shard[1]))
+
+
 def verbose() -> bool:
     return _env_flag("DFLASH_KERNELS_VERBOSE")
 
@@ -98,6 +113,8 @@ def strict():
     """Inside this context a kernel-cache miss raises :class:`KernelCacheMiss` naming the key.
 
     Use it after :func:`dflash_kernels.precompile` so that nothing compiles in the middle of a run.
+    Process-wide: worker threads obey it while any thread is inside it. Takes no arguments; use it as
+    ``with dflash_kernels.strict(): ...`` (``DFLASH_KERNELS_STRICT=1`` turns it on for the whole process).
     """
     global _strict_depth
     with _strict_lock:

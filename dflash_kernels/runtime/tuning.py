@@ -41,6 +41,11 @@ except ImportError:  # pragma: no cover - not POSIX
 
 __all__ = ["KeyLocks", "TuningStore", "store", "tuning_lock", "PACKAGED_DIR"]
 
+# Entries named SIGNATURE_PREFIX + a kernel's tuning-entry name hold the launch signature a run compiled that
+# kernel for (argument dtypes, alignment, ints, constexprs): enough to compile it again ahead of time on
+# another machine of the same GPU model (runtime/precompile.py: precompile_recorded).
+SIGNATURE_PREFIX = "compile|"
+RUN_PREFIX = "run|"  # a shipped file's record of a run that filled it (tuning.ship's ``run``)
 PACKAGED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned")
 
 
@@ -173,6 +178,20 @@ class TuningStore:
                     return found, "packaged"
             return None, None
 
+    def entries(self, device: int, prefix: str) -> dict:
+        """Every saved entry whose name starts with ``prefix``: the package's (when enabled), then the cache
+        directory's over them."""
+        path = self.path(device)
+        with self._lock:
+            table = self._memory.get(path)
+            if table is None:
+                table = self._memory[path] = self._load(path)
+            found = {}
+            if settings.packaged_tuning():
+                found.update((k, v) for k, v in self._shipped(os.path.basename(path)).items() if k.startswith(prefix))
+            found.update((k, v) for k, v in table.items() if k.startswith(prefix))
+            return found
+
     def put(self, device: int, entry: str, value: dict) -> None:
         """Save ``entry``: in memory, and merged into the cache file unless the cache folder cannot be
         written (then it stays in memory for this process; one warning, and no further write is tried)."""
@@ -255,19 +274,23 @@ def tuning_lock(device: int) -> threading.Lock:
     return _tuning_locks(device)
 
 
-def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR) -> tuple:
+def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR, run: str = None) -> tuple:
     """Merge ``cache_file``'s entries into the packaged file of the same name, keeping only entries whose
     kernel source hash is that of a kernel in ``kernels`` (``{name: source hash}``; default: every kernel of
     the ops now registered), and entries of other names (the implementation choices, versioned in their key).
-    The packaged file's own entries of older kernel sources are removed (never found again). Returns
-    ``(path, entries kept, entries dropped)``, both counts of ``cache_file``'s entries."""
+    The packaged file's own entries of older kernel sources are removed (never found again). ``run`` (the
+    command and machine that filled the cache) is recorded in the file as an entry ``run|<UTC time>``, which no
+    lookup ever matches. Returns ``(path, entries kept, entries dropped)``, both counts of ``cache_file``'s
+    entries."""
     if kernels is None:
         kernels = current_kernel_hashes()
     with open(cache_file) as f:
         table = json.load(f)
 
-    def current(entry):  # False: timed on an older source of its kernel
-        name, _, rest = entry.partition("|")
+    def current(entry):  # False: timed on (or, for a "compile|" signature, recorded from) an older kernel source
+        if entry.startswith(RUN_PREFIX):
+            return True
+        name, _, rest = entry.removeprefix(SIGNATURE_PREFIX).partition("|")
         return name not in kernels or kernels[name] == rest.partition("|")[0]
 
     kept = {entry: value for entry, value in table.items() if current(entry)}
@@ -279,6 +302,14 @@ def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR) -> tup
         with open(path) as f:
             old = {entry: value for entry, value in json.load(f).items() if current(entry)}  # stale ones go
     old.update(kept)
+    if run:
+        import datetime
+
+        import torch
+
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        old[f"{RUN_PREFIX}{now}"] = {"run": run, "entries": len(kept), "torch": torch.__version__,
+                                     "triton": triton.__version__}
     with open(path, "w") as f:
         json.dump(old, f, indent=1, sort_keys=True)
         f.write("\n")
@@ -311,7 +342,7 @@ def current_kernel_hashes() -> dict:
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "ship":
-        raise SystemExit("usage: python -m dflash_kernels.runtime.tuning ship CACHE_FILE")
-    where, n_kept, n_dropped = ship(sys.argv[2])
+    if len(sys.argv) not in (3, 5) or sys.argv[1] != "ship" or (len(sys.argv) == 5 and sys.argv[3] != "--run"):
+        raise SystemExit("usage: python -m dflash_kernels.runtime.tuning ship CACHE_FILE [--run 'COMMAND ON GPU']")
+    where, n_kept, n_dropped = ship(sys.argv[2], run=sys.argv[4] if len(sys.argv) == 5 else None)
     print(f"{where}: {n_kept} entries merged, {n_dropped} of edited kernels left out")

@@ -15,7 +15,7 @@ import torch
 import dflash_kernels as dk
 from dflash_kernels.runtime import backends, tuning
 from dflash_kernels.runtime.kernel import all_kernels
-from tests.helpers import device
+from tests.helpers import device, slow_param
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -197,7 +197,7 @@ def _put_keys(directory, i, n, go):
         store.put(-1, f"k{i}-{j}", {"config": {"BT": j}, "ms": 1.0})
 
 
-@pytest.mark.parametrize("start", ["absent", "damaged"])
+@pytest.mark.parametrize("start", ["absent", slow_param("damaged")])
 def test_processes_writing_one_tuning_file_lose_no_entry(tmp_path, start):
     """Four processes (spawned, not forked) put 20 entries each into one file at once: all 80 are there at the
     end, a reader never sees the file invalid, a new store reads them, no temporary file is left. Starting from
@@ -459,8 +459,13 @@ def _unfindable_entries(table: dict, hashes: dict) -> list:
     choices = {c.name for c in list(choice._registry)}
     found = []
     for entry, value in table.items():
-        name, _, rest = entry.partition("|")
-        if name in choices:  # <name>|<version>|<key>: the CUDA extension's version is known where it is built
+        if entry.startswith(tuning.RUN_PREFIX):  # the record of a run that filled the file
+            if not isinstance(value.get("run"), str) or not value["run"]:
+                found.append((entry, f"a run record without its command: {value!r}"))
+            continue
+        signature = entry.startswith(tuning.SIGNATURE_PREFIX)  # a recorded launch signature (precompile_recorded)
+        name, _, rest = entry.removeprefix(tuning.SIGNATURE_PREFIX).partition("|")
+        if name in choices and not signature:  # <name>|<version>|<key>: the CUDA extension's version is known where it is built
             if not isinstance(value.get("impl"), str):
                 found.append((entry, f"no implementation named: {value!r}"))
             continue
@@ -480,6 +485,16 @@ def _unfindable_entries(table: dict, hashes: dict) -> list:
         rebuilt = kernel._persist_name((bucket, constexprs, spec, 0)).replace(
             f"|{kernel._source_hash}|", f"|{source}|", 1)
         tuned = {m for c in kernel.configs for m in c.meta}
+        if signature:
+            args = value.get("args")
+            if rebuilt != entry[len(tuning.SIGNATURE_PREFIX):]:
+                found.append((entry, "not the key the runtime builds"))
+            elif not isinstance(args, list) or len(args) != len(kernel.runtime_names):
+                found.append((entry, f"{len(args) if isinstance(args, list) else args!r} arguments recorded; the "
+                                     f"kernel takes {len(kernel.runtime_names)}"))
+            elif value.get("constexprs") != {n: v for n, v in constexprs}:
+                found.append((entry, f"constexprs {value.get('constexprs')} are not the key's {constexprs}"))
+            continue
         if rebuilt != entry or not isinstance(bucket, tuple) or not isinstance(spec, tuple):
             found.append((entry, "not the key the runtime builds"))
         elif any(n not in kernel.constexpr_names or n in tuned for n, _ in constexprs):

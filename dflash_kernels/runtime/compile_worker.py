@@ -1,0 +1,75 @@
+"""A compile process of :func:`dflash_kernels.precompile` (not a user command):
+
+    python -m dflash_kernels.runtime.compile_worker JOB_FILE INDEX               (precompile's specs)
+    python -m dflash_kernels.runtime.compile_worker --signatures JOB_FILE INDEX  (precompile_recorded)
+
+Specs: every spec of the job runs on each of its devices in compile-only mode (``settings.set_compile_shard``):
+each kernel-cache miss compiles this worker's share of the key's configs into Triton's on-disk cache and
+launches nothing. Signatures: this worker's share of every recorded launch signature's configs is compiled
+straight from the signature (Triton's ``warmup`` on stand-in tensors), no op run. Prints
+``RESULT {"compiled": n, "errors": [...]}`` last.
+"""
+
+import importlib
+import json
+import sys
+
+import torch
+
+
+def main(path: str, index: int) -> None:
+    with open(path) as f:
+        job = json.load(f)
+    from dflash_kernels.runtime import settings
+
+    settings.set_compile_shard((index, job["shards"]))
+    import dflash_kernels  # noqa: F401 - registers every op's builder
+    from dflash_kernels.runtime.kernel import cache_info
+    from dflash_kernels.runtime.precompile import _builders, decode
+
+    for module in job["modules"]:
+        importlib.import_module(module)
+    errors = []
+    for device in job["devices"]:
+        dev = torch.device(device)
+        for op, shape, dtype in job["specs"]:
+            try:
+                _builders[op](decode(shape), decode(dtype), dev, job["backward"])
+            except Exception as e:  # noqa: BLE001 - reported; the parent's serial pass compiles what is left
+                errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    compiled = sum(v["compiles"] for v in cache_info().values())
+    print("RESULT " + json.dumps({"compiled": compiled, "errors": errors}), flush=True)
+
+
+def signatures(path: str, index: int) -> None:
+    with open(path) as f:
+        job = json.load(f)
+    import dflash_kernels  # noqa: F401 - defines every op's kernels
+    from dflash_kernels.runtime import tuning
+    from dflash_kernels.runtime.kernel import all_kernels
+
+    dev = torch.device(job["device"])
+    torch.cuda.set_device(dev)
+    kernels = {k.name: k for k in all_kernels()}
+    compiled, errors = 0, []
+    for name, signature in sorted(job["signatures"].items()):
+        persist = name[len(tuning.SIGNATURE_PREFIX):]
+        kernel = kernels.get(persist.partition("|")[0])
+        if kernel is None:
+            continue
+        try:
+            compiled += kernel.compile_signature(persist, signature, dev.index, (index, job["shards"]))
+        except Exception as e:  # noqa: BLE001 - reported; that kernel compiles at its first call instead
+            errors.append(f"{persist[:160]}: {type(e).__name__}: {str(e)[:300]}")
+    print("RESULT " + json.dumps({"compiled": compiled, "errors": errors}), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--signatures":
+        signatures(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) == 3:
+        main(sys.argv[1], int(sys.argv[2]))
+    else:
+        raise SystemExit("usage: python -m dflash_kernels.runtime.compile_worker [--signatures] JOB_FILE INDEX")

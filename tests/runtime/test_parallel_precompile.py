@@ -1,0 +1,219 @@
+"""precompile's parallel compile pass: the compile-only mode of a kernel-cache miss (each worker compiles its
+share of every key's configs and launches nothing) and the worker processes' plumbing."""
+
+import importlib
+import json
+import warnings
+
+import pytest
+import torch
+import triton.language as tl
+
+import dflash_kernels as dk
+from dflash_kernels.runtime import Config, TritonKernel, alloc, settings, tuning
+
+pc = importlib.import_module("dflash_kernels.runtime.precompile")  # the module (the package exports the function)
+
+
+class _Compiled:
+    def _init_handles(self):  # Triton loads the module and builds the launcher here
+        pass
+
+
+class _FakeJit:
+    """Stands in for a compiled ``@triton.jit`` function: records what would be compiled, fails on a launch."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = []
+
+    def warmup(self, *args, grid, num_warps, num_stages):
+        self.compiled.append((args[2:4], num_warps, num_stages))  # after x and n: BLOCK, EXTRA
+        return _Compiled()
+
+    def __getitem__(self, grid):
+        raise AssertionError("a compile worker must not launch a kernel")
+
+
+def _kernel(name):
+    def body(x, n, BLOCK: tl.constexpr, EXTRA: tl.constexpr, MODE: tl.constexpr = 0):
+        pass
+
+    configs = [Config(BLOCK=b, EXTRA=e, num_warps=w) for b in (16, 32, 64) for e in (0, 1) for w in (4, 8)]
+    k = TritonKernel(_FakeJit(body), name=name, configs=configs)
+    k.interpreted = False  # the GPU path, whatever TRITON_INTERPRET says
+    return k
+
+
+@pytest.fixture
+def shard_reset():
+    yield
+    settings.set_compile_shard(None)
+
+
+@pytest.mark.parametrize("shards", [1, 3, 5])
+def test_workers_split_every_candidate_between_them(shards, shard_reset, monkeypatch, tmp_path):
+    """Tuning on, nothing stored: over all workers, every candidate of the key is compiled exactly once; no
+    worker launches or stores anything."""
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    monkeypatch.setattr(tuning.TuningStore, "put", lambda *a, **k: pytest.fail("a compile worker stored a tuning result"))
+    x = torch.zeros(8)
+    seen = []
+    for i in range(shards):
+        k = _kernel(f"fake_split_{shards}")
+        settings.set_compile_shard((i, shards))
+        k((1,), x, 8)
+        k((1,), x, 8)  # a second call of the key: the cached no-launch entry
+        seen += k.fn.compiled
+        (info,) = k.cache_info().values()
+        assert info["tuned_from"] == "compile-only" and info["compiles"] == len(k.fn.compiled)
+    expected = [((c.meta["BLOCK"], c.meta["EXTRA"]), c.num_warps, c.num_stages) for c in _kernel("x").configs]
+    assert sorted(seen) == sorted(expected)
+
+
+def test_a_stored_config_is_the_only_one_compiled(shard_reset, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    x = torch.zeros(8)
+    chosen = _kernel("probe").configs[7]
+    monkeypatch.setattr(tuning.TuningStore, "lookup", lambda self, dev, name: (
+        ({"config": chosen.as_dict()}, "packaged") if name.startswith("fake_stored|") else (None, None)))
+    seen = []
+    for i in range(4):
+        k = _kernel("fake_stored")
+        settings.set_compile_shard((i, 4))
+        k((1,), x, 8)
+        seen += k.fn.compiled
+    assert seen == [((chosen.meta["BLOCK"], chosen.meta["EXTRA"]), chosen.num_warps, chosen.num_stages)]
+
+
+def test_tuning_off_compiles_the_first_config_only(shard_reset, monkeypatch):
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
+    x = torch.zeros(8)
+    seen = []
+    for i in range(3):
+        k = _kernel("fake_untuned")
+        settings.set_compile_shard((i, 3))
+        k((1,), x, 8)
+        seen += k.fn.compiled
+    first = _kernel("y").configs[0]
+    assert seen == [((first.meta["BLOCK"], first.meta["EXTRA"]), first.num_warps, first.num_stages)]
+
+
+def test_outputs_are_zeros_in_a_compile_worker(shard_reset, monkeypatch):
+    """Nothing launches there, so what the host reads back (counts, sizes) must not be the allocator's leftovers."""
+    monkeypatch.setenv("DFLASH_KERNELS_POISON", "1")
+    settings.set_compile_shard((0, 2))
+    assert torch.equal(alloc.empty(5, dtype=torch.int32, device="cpu"), torch.zeros(5, dtype=torch.int32))
+    assert torch.equal(alloc.empty_like(torch.ones(3)), torch.zeros(3))
+    settings.set_compile_shard(None)
+    assert torch.isnan(alloc.empty(5, dtype=torch.float32, device="cpu")).all()
+
+
+def test_specs_travel_to_the_workers_as_json():
+    shape = {"N": 3, "weight_dtype": torch.float32, "tensors": [{"numel": 5, "copy_dtype": torch.bfloat16}]}
+    assert pc.decode(pc.encode(shape)) == shape
+    assert pc.decode(pc.encode(torch.float16)) is torch.float16
+
+
+def test_worker_processes_run_the_specs_and_report_problems(monkeypatch):
+    """The plumbing on the CPU (kernels interpreted there, so the workers run them): two processes, a good spec
+    and one whose builder raises; the failure comes back named, as a warning, never silently."""
+    specs = [("swiglu", {"N": 4, "C": 8}, torch.float32),
+             ("rms_norm", {"N": 4, "D": 8, "weight_dtype": torch.float32}, torch.float32),
+             ("rms_norm", {"N": 4}, torch.float32)]  # no D: the builder raises KeyError
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rep = pc._parallel_compile(specs, [torch.device("cpu")], True, 2, verbose=False)
+    assert rep["workers"] == 2 and rep["compiled"] > 0
+    assert len(rep["errors"]) == 2 and all("rms_norm" in e and "KeyError" in e for e in rep["errors"]), rep
+    assert any("parallel compile pass had 2 problems" in str(w.message) for w in caught)
+
+
+def test_default_workers(monkeypatch):
+    monkeypatch.delenv("DFLASH_KERNELS_PRECOMPILE_WORKERS", raising=False)
+    assert pc.default_workers([torch.device("cpu")]) == 0
+    assert 1 <= pc.default_workers([torch.device("cuda", 0)]) <= 16
+    monkeypatch.setenv("DFLASH_KERNELS_PRECOMPILE_WORKERS", "3")
+    assert pc.default_workers([torch.device("cpu")]) == 3
+    monkeypatch.setenv("DFLASH_KERNELS_PRECOMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match="DFLASH_KERNELS_PRECOMPILE_WORKERS.*'many'"):
+        pc.default_workers([torch.device("cpu")])
+
+
+def test_precompile_reports_how_each_key_got_its_config():
+    rep = dk.precompile([("swiglu", {"N": 5, "C": 24}, torch.float32)], devices=["cpu"], verbose=False, workers=0)
+    (item,) = rep["items"]
+    assert rep["parallel"] is None
+    assert item["compiled"] == item["new_keys"] and item["tuned"] + item["stored"] <= item["compiled"]
+
+
+class _Recorded(_FakeJit):
+    def warmup(self, *args, grid, num_warps, num_stages):
+        self.compiled.append((tuple(args[:2]), args[2:], num_warps, num_stages))
+        return _Compiled()
+
+
+def test_a_launch_signature_is_recorded_and_compiled_back_from_it(shard_reset, monkeypatch, tmp_path):
+    """The signature a compiled launch leaves in the store gives Triton's warmup the same argument types and
+    alignment (stand-in tensors), ints and constexprs; the workers split its candidates between them."""
+    from triton.runtime.jit import MockTensor
+
+    monkeypatch.setenv("DFLASH_KERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    monkeypatch.setenv("DFLASH_KERNELS_PACKAGED_TUNING", "0")
+    k = _kernel("fake_recorded")
+    x = torch.zeros(9, dtype=torch.bfloat16)
+    args, constexprs = (x[1:], 17), {"MODE": 1}
+    key = ((4,), tuple(constexprs.items()), k._spec(*args), -1)
+    k._record_signature(key, args, constexprs, -1)
+    name = tuning.SIGNATURE_PREFIX + k._persist_name(key)
+    store = tuning.store()
+    assert store.entries(-1, tuning.SIGNATURE_PREFIX) == {name: {
+        "args": [["T", "bfloat16", False], ["I", 17]], "constexprs": {"MODE": 1}}}
+    seen = []
+    for i in range(3):
+        fake = _Recorded(k.fn.fn)
+        monkeypatch.setattr(k, "fn", fake)
+        assert k.compile_signature(k._persist_name(key), store.get(-1, name), -1, (i, 3)) == len(fake.compiled)
+        seen += fake.compiled
+    assert len(seen) == len(k.configs)
+    for (tensor, n), tail, _, _ in seen:
+        assert isinstance(tensor, MockTensor) and tensor.dtype == torch.bfloat16 and tensor.data_ptr() % 16 == 8
+        assert n == 17 and tail[2] == 1  # MODE from the recorded constexprs, BLOCK and EXTRA from each config
+    assert sorted((t, w) for _, t, w, _ in seen) == sorted(
+        ((c.meta["BLOCK"], c.meta["EXTRA"], 1), c.num_warps) for c in k.configs)
+
+
+def test_signatures_of_other_argument_types_are_not_recorded():
+    from dflash_kernels.runtime.kernel import describe_launch
+
+    assert describe_launch((torch.zeros(2), None, True, 3, 0.5), {"A": 2, "B": "x"}) == {
+        "args": [["T", "float32", True], ["N"], ["B", True], ["I", 3], ["F", 0.5]], "constexprs": {"A": 2, "B": "x"}}
+    assert describe_launch((torch.zeros(2), object()), {}) is None
+    assert describe_launch((torch.zeros(2),), {"A": torch.float32}) is None
+
+
+def test_precompile_recorded_does_nothing_on_the_cpu():
+    rep = dk.precompile_recorded(verbose=False)
+    assert rep["compiled"] == 0 and rep["workers"] == 0 and not rep["errors"]
+
+
+def test_ship_keeps_signatures_of_current_kernels_only(tmp_path):
+    cache = tmp_path / "tuning-GPU-tritonX.json"
+    good = tuning.SIGNATURE_PREFIX + "kern|abc|()|()|()"
+    stale = tuning.SIGNATURE_PREFIX + "kern|old|()|()|()"
+    cache.write_text(json.dumps({good: {"args": []}, stale: {"args": []}}))
+    path, kept, dropped = tuning.ship(str(cache), kernels={"kern": "abc"}, packaged_dir=str(tmp_path / "pkg"))
+    assert (kept, dropped) == (1, 1) and set(json.loads(open(path).read())) == {good}
+
+
+def test_ship_names_the_run_in_the_file(tmp_path):
+    cache = tmp_path / "tuning-GPU-tritonX.json"
+    cache.write_text(json.dumps({"kern|abc|()|()|()": {"config": {}, "ms": 1.0}}))
+    path, kept, _ = tuning.ship(str(cache), kernels={"kern": "abc"}, packaged_dir=str(tmp_path / "pkg"),
+                                run="tok_s --preset real on GPU")
+    table = json.loads(open(path).read())
+    (run,) = [v for k, v in table.items() if k.startswith(tuning.RUN_PREFIX)]
+    assert run["run"] == "tok_s --preset real on GPU" and run["entries"] == kept == 1
