@@ -71,9 +71,9 @@ def _precompile(cfg: TrainConfig, drafter, opt, dev, dtype, log):
     log(f"precompile: the {len(specs)} kernels of this run's shapes on {dev}, compiled and tuned (once per GPU model "
         f"and shape; minutes the first time) or found in the cache ...")
     if dev.type == "cuda":
-        rec = dk.precompile_recorded(dev, verbose=False)
-        log(f"precompile: {rec['compiled']} recorded kernels compiled by {rec['workers']} processes in "
-            f"{rec['seconds']:.1f}s")
+        rec = dk.precompile_recorded(dev, verbose=False)  # waits for the pass started before the target's load
+        log(f"precompile: {rec['done_before'] + rec['compiled']} recorded kernels compiled in parallel processes "
+            f"({rec['seconds']:.1f}s waited for them here)")
     rep = dk.precompile(specs, devices=[dev])
     log(f"precompile: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")
 
@@ -102,6 +102,8 @@ def train(cfg: TrainConfig, resume: bool = False, log=print, stop_after: int | N
         check_resume_config(saved["config"], cfg.to_dict(), allow_change=allow_config_change, path=resume_from,
                             log=log)
     log(f"config: {json.dumps(cfg.to_dict(), sort_keys=True)}")
+    if dev.type == "cuda":  # the recorded kernels compile in worker processes while the target loads
+        dk.precompile_recorded(dev, verbose=False, background=True)
     log(f"target: loading {cfg.target} on {dev} ({dtype}) ...")
     target = load_target(cfg.target, cfg.target_layer_ids, cfg.num_target_layers, device=dev, dtype=dtype,
                          gdn_layers=cfg.target_graphs_on(dev))

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -158,7 +159,34 @@ def _parallel_compile(specs, devices, backward, workers, verbose) -> dict:
     return {"workers": workers, "seconds": seconds, "compiled": compiled, "errors": errors}
 
 
-def precompile_recorded(device=None, workers=None, verbose=True) -> dict:
+_done = set()  # (GPU model, signature entry) compiled by precompile_recorded in this process's lifetime
+_model_locks = {}  # GPU model -> the lock a precompile_recorded pass holds (a second call waits for the first)
+_state_lock = threading.Lock()
+
+
+class PendingPrecompile:
+    """A :func:`precompile_recorded` running in a background thread (its worker processes do the work):
+    ``wait()`` returns its report, or raises what it raised."""
+
+    def __init__(self, fn):
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="dflash_kernels-precompile", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn):
+        try:
+            self._result = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            self._error = e
+
+    def wait(self) -> dict:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def precompile_recorded(device=None, workers=None, verbose=True, background=False):
     """Compile, in parallel worker processes, every kernel launch recorded for this GPU model: by any earlier
     run on it with this cache folder, and shipped with the package (``runtime/tuned/``). Each compiles into
     Triton's on-disk cache, so this process's first call of such a kernel loads it in milliseconds instead of
@@ -171,19 +199,46 @@ def precompile_recorded(device=None, workers=None, verbose=True) -> dict:
         device: the GPU (default: the current CUDA device).
         workers: compile processes (default as :func:`precompile`'s).
         verbose: print what was compiled, skipped and how long it took.
+        background: return at once a :class:`PendingPrecompile` whose ``wait()`` gives the report, so that the
+            compiling overlaps other start-up work (loading a model). A later call for the same GPU model waits
+            for it and compiles only what it left.
 
     Returns:
-        ``{"recorded", "current", "compiled", "workers", "seconds", "errors"}``: signatures found, those of
-        the current kernel sources, kernels compiled.
+        ``{"recorded", "current", "done_before", "compiled", "workers", "seconds", "errors"}``: signatures
+        found, those of the current kernel sources, those an earlier call in this process compiled, kernels
+        compiled now.
     """
+    if background:
+        return PendingPrecompile(lambda: precompile_recorded(device, workers, verbose))
     t0 = time.perf_counter()
-    report = {"recorded": 0, "current": 0, "compiled": 0, "workers": 0, "seconds": 0.0, "errors": []}
+    report = {"recorded": 0, "current": 0, "done_before": 0, "compiled": 0, "workers": 0, "seconds": 0.0,
+              "errors": []}
     if not torch.cuda.is_available() or settings.interpreting():
         return report
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if dev.type != "cuda":
         return report
     index = dev.index if dev.index is not None else torch.cuda.current_device()
+    model = gpu_model(index)
+    with _state_lock:
+        lock = _model_locks.setdefault(model, threading.Lock())
+    with lock:
+        _precompile_recorded(index, model, workers, verbose, report)
+    report["seconds"] = time.perf_counter() - t0
+    if verbose:
+        print(f"[dflash_kernels] precompile_recorded on {model}: {report['current']} recorded kernel launches of "
+              f"the current sources ({report['recorded'] - report['current']} of edited kernels skipped, "
+              f"{report['done_before']} compiled earlier in this process), {report['compiled']} kernels compiled by "
+              f"{report['workers']} processes in {report['seconds']:.1f}s"
+              + (f"; {len(report['errors'])} problems: " + "; ".join(report["errors"][:3]) if report["errors"]
+                 else ""), file=sys.stderr, flush=True)
+    if report["errors"]:
+        warnings.warn(f"precompile_recorded: {len(report['errors'])} problems (those kernels compile at their first "
+                      f"call): {report['errors'][0]}", RuntimeWarning, stacklevel=2)
+    return report
+
+
+def _precompile_recorded(index, model, workers, verbose, report):
     recorded = tuning.store().entries(index, tuning.SIGNATURE_PREFIX)
     hashes = {k.name: k._source_hash for k in all_kernels()}
 
@@ -191,24 +246,17 @@ def precompile_recorded(device=None, workers=None, verbose=True) -> dict:
         kernel, _, rest = name[len(tuning.SIGNATURE_PREFIX):].partition("|")
         return hashes.get(kernel) == rest.partition("|")[0]
 
-    entries = {n: v for n, v in recorded.items() if current(n)}
-    report.update(recorded=len(recorded), current=len(entries))
-    workers = default_workers([dev]) if workers is None else int(workers)
+    current_entries = {n: v for n, v in recorded.items() if current(n)}
+    entries = {n: v for n, v in current_entries.items() if (model, n) not in _done}
+    report.update(recorded=len(recorded), current=len(current_entries),
+                  done_before=len(current_entries) - len(entries))
+    workers = default_workers([torch.device("cuda", index)]) if workers is None else int(workers)
     report["workers"] = workers = max(1, min(workers, len(entries))) if entries else 0
     if entries:
         job = {"device": f"cuda:{index}", "shards": workers, "signatures": entries}
         report["compiled"], report["errors"] = _run_workers(job, workers, verbose, "--signatures")
-    report["seconds"] = time.perf_counter() - t0
-    if verbose:
-        print(f"[dflash_kernels] precompile_recorded on {gpu_model(index)}: {report['current']} recorded kernel "
-              f"launches of the current sources ({report['recorded'] - report['current']} of edited kernels "
-              f"skipped), {report['compiled']} kernels compiled by {workers} processes in {report['seconds']:.1f}s"
-              + (f"; {len(report['errors'])} problems: " + "; ".join(report["errors"][:3]) if report["errors"]
-                 else ""), file=sys.stderr, flush=True)
-    if report["errors"]:
-        warnings.warn(f"precompile_recorded: {len(report['errors'])} problems (those kernels compile at their first "
-                      f"call): {report['errors'][0]}", RuntimeWarning, stacklevel=2)
-    return report
+        if not report["errors"]:
+            _done.update((model, n) for n in entries)
 
 
 def _run_workers(job, workers, verbose, mode=None):

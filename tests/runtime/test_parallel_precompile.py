@@ -217,3 +217,28 @@ def test_ship_names_the_run_in_the_file(tmp_path):
     table = json.loads(open(path).read())
     (run,) = [v for k, v in table.items() if k.startswith(tuning.RUN_PREFIX)]
     assert run["run"] == "tok_s --preset real on GPU" and run["entries"] == kept == 1
+
+
+def test_a_background_pass_is_waited_for_and_not_repeated(monkeypatch):
+    """precompile_recorded(background=True) returns at once; a second call for the same GPU model waits for it and
+    compiles only what it left (here: nothing), so a trainer can start the pass before loading its target."""
+    calls, entered = [], __import__("threading").Event()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
+    monkeypatch.setattr(pc, "gpu_model", lambda index: "FAKE_GPU")
+    monkeypatch.setattr(tuning.TuningStore, "entries", lambda self, dev, prefix: {
+        f"{prefix}{k.name}|{k._source_hash}|()|()|()": {"args": [], "constexprs": {}} for k in pc.all_kernels()[:3]})
+
+    def fake_run(job, workers, verbose, mode=None):
+        entered.set()
+        calls.append(sorted(job["signatures"]))
+        return len(job["signatures"]), []
+    monkeypatch.setattr(pc, "_run_workers", fake_run)
+    monkeypatch.setattr(pc, "_done", set())
+    pending = pc.precompile_recorded(device="cuda:0", workers=2, verbose=False, background=True)
+    assert isinstance(pending, pc.PendingPrecompile)
+    assert entered.wait(10)  # the background pass holds the GPU model's lock (or has finished)
+    later = pc.precompile_recorded(device="cuda:0", workers=2, verbose=False)
+    first = pending.wait()
+    assert len(calls) == 1 and first["compiled"] == 3 and first["workers"] == 2
+    assert later["compiled"] == 0 and later["done_before"] == 3 and later["workers"] == 0
