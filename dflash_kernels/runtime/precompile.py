@@ -118,7 +118,8 @@ def precompile(specs, devices=None, backward=True, verbose=True, workers=None) -
 
 def default_workers(devices) -> int:
     """Compile processes for :func:`precompile`: ``DFLASH_KERNELS_PRECOMPILE_WORKERS`` when set, else the
-    usable cores up to 16 when a device is a GPU (compiling is one core's work per kernel), else 0."""
+    usable cores up to 16 when a device is a GPU (compiling is one core's work per kernel; under torchrun the
+    cores divided by ``LOCAL_WORLD_SIZE``), else 0."""
     env = os.environ.get("DFLASH_KERNELS_PRECOMPILE_WORKERS", "").strip()
     if env:
         try:
@@ -131,7 +132,10 @@ def default_workers(devices) -> int:
     if not any(torch.device(d).type == "cuda" for d in devices):
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, 16)
+    # Under torchrun every process of the machine precompiles at once: each gets its share of the cores.
+    share = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local = int(share) if share.isdigit() and int(share) > 0 else 1
+    return max(1, min(cores // local, 16))
 
 
 def _parallel_compile(specs, devices, backward, workers, verbose) -> dict:

@@ -135,6 +135,10 @@ def test_default_workers(monkeypatch):
     monkeypatch.delenv("DFLASH_KERNELS_PRECOMPILE_WORKERS", raising=False)
     assert pc.default_workers([torch.device("cpu")]) == 0
     assert 1 <= pc.default_workers([torch.device("cuda", 0)]) <= 16
+    monkeypatch.setattr(pc.os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    assert pc.default_workers([torch.device("cuda", 0)]) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert pc.default_workers([torch.device("cuda", 0)]) == 4  # torchrun: the machine's cores shared
     monkeypatch.setenv("DFLASH_KERNELS_PRECOMPILE_WORKERS", "3")
     assert pc.default_workers([torch.device("cpu")]) == 3
     monkeypatch.setenv("DFLASH_KERNELS_PRECOMPILE_WORKERS", "many")
