@@ -72,8 +72,9 @@ def _precompile(cfg: TrainConfig, drafter, opt, dev, dtype, log):
         f"and shape; minutes the first time) or found in the cache ...")
     if dev.type == "cuda":
         rec = dk.precompile_recorded(dev, verbose=False)  # waits for the pass started before the target's load
-        log(f"precompile: {rec['done_before'] + rec['compiled']} recorded kernels compiled in parallel processes "
-            f"({rec['seconds']:.1f}s waited for them here)")
+        if rec["current"]:
+            log(f"precompile: {rec['done_before'] + rec['compiled']} recorded kernels compiled in parallel "
+                f"processes ({rec['seconds']:.1f}s waited for them here)")
     rep = dk.precompile(specs, devices=[dev])
     log(f"precompile: {len(rep['keys'])} kernels in {rep['seconds']:.1f}s")
 

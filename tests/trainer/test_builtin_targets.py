@@ -111,6 +111,7 @@ def test_a_missing_embedded_default_says_it_is_built_first(tmp_path, monkeypatch
     assert calls == [1] and logged[-1] == f"embedded default target: {tmp_path / 'embedded'}"
 
 
+@pytest.mark.slow
 def test_the_embedded_build_shows_its_stages_and_progress(tmp_path, monkeypatch, reference_hybrid_ops):
     """A shrunk build (12 source files, 3 target steps, 4 responses of 4 tokens): a line before each stage,
     and progress with an ETA in the long ones. (An earlier test's target may have routed the hybrid layers of
@@ -158,9 +159,12 @@ def test_precompile_says_it_compiles_before_it_does(monkeypatch):
     monkeypatch.setattr(train_mod.dk, "precompile",
                         lambda specs, devices: logged.append("compiling") or {"keys": ["k"] * len(specs),
                                                                               "seconds": 1.5})
+    monkeypatch.setattr(train_mod.dk, "precompile_recorded", lambda dev, verbose: logged.append("recorded") or {
+        "current": 40, "done_before": 40, "compiled": 0, "seconds": 0.25})
     config = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"], num_heads=2, num_kv_heads=1,
                                    head_dim=64, block_size=16, sliding_window=24)
     train_mod._precompile(preset("tiny"), types.SimpleNamespace(config=config), object(), torch.device("cuda"),
                           torch.bfloat16, logged.append)
     assert logged[0].startswith("precompile: the 2 kernels of this run's shapes on cuda, compiled and tuned")
-    assert logged[1:] == ["compiling", "precompile: 2 kernels in 1.5s"]
+    assert logged[1:] == ["recorded", "precompile: 40 recorded kernels compiled in parallel processes (0.2s waited "
+                          "for them here)", "compiling", "precompile: 2 kernels in 1.5s"]
