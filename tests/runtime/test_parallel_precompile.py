@@ -126,7 +126,10 @@ def test_worker_processes_run_the_specs_and_report_problems(monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         rep = pc._parallel_compile(specs, [torch.device("cpu")], True, 2, verbose=False)
-    assert rep["workers"] == 2 and rep["compiled"] > 0
+    assert rep["workers"] == 2
+    # Under the interpreter the CPU's ops run the Triton kernels (each key counted once per worker); without it
+    # they run the reference backend and nothing is compiled.
+    assert (rep["compiled"] > 0) if settings.interpreting() else (rep["compiled"] == 0), rep
     assert len(rep["errors"]) == 2 and all("rms_norm" in e and "KeyError" in e for e in rep["errors"]), rep
     assert any("parallel compile pass had 2 problems" in str(w.message) for w in caught)
 
