@@ -135,8 +135,9 @@ if __name__ == "__main__":
         python_requires=">=3.10",
         install_requires=["torch>=2.5", "triton>=3.4"],
         extras_require={
-            # transformers: its torch Gated DeltaNet is a test oracle, and the integration is tested.
-            "test": ["pytest>=7", "pytest-timeout>=2", "transformers>=5"],
+            # transformers: its torch Gated DeltaNet is a test oracle, and the integration is tested;
+            # pytest-xdist: the README's test command runs the tests in parallel (-n auto).
+            "test": ["pytest>=7", "pytest-timeout>=2", "pytest-xdist>=3", "transformers>=5"],
             # The trainer and benchmarks/tok_s.py: HF models, tokenizers, safetensors.
             "train": ["transformers>=5"],
             "peers": ["flash-linear-attention>=0.6", "causal-conv1d>=1.5", "liger-kernel>=0.8",

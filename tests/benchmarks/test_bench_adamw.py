@@ -33,6 +33,7 @@ def test_each_implementation_matches_the_reference(impl):
     assert row["ms"] > 0 and row["tensors"] == len(bench_adamw.param_shapes("tiny"))
 
 
+@pytest.mark.slow
 def test_harness_end_to_end_and_refusal():
     run = lambda *a: subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_adamw.py"), *a],  # noqa: E731
                                     capture_output=True, text=True, env=CPU_ENV, cwd=ROOT, timeout=600)

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import make_target  # noqa: E402
 
 
+@pytest.mark.slow
 def test_tiny_target_trains_in_both_loops(tmp_path):
     from trainer.config import preset
     from trainer.pipeline import run_pipeline

@@ -39,6 +39,7 @@ def test_projection_arithmetic():
         roles.project(0.0, 1.0)
 
 
+@pytest.mark.slow
 def test_cpu_tiny_run_prints_the_roles_and_the_projection(tmp_path):
     out_json = tmp_path / "row.json"
     proc = _roles("--preset", "tiny", "--steps", "1", "--no-record", "--efficiency", "0.9", "--json", str(out_json))

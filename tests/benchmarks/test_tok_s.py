@@ -45,6 +45,7 @@ def test_cpu_tiny_run_prints_a_table(tmp_path):
     assert c["a_over_this"] == pytest.approx(a["tok_s"] / c["tok_s"]) and a["a_over_this"] == 1.0
 
 
+@pytest.mark.slow
 def test_group_e_is_a_with_the_eager_elementwise_chains(tmp_path):
     # (a) runs the fused norm / RoPE / SwiGLU ops on a GPU, (e) the plain chains; on the CPU both run the
     # plain chains (the ops would run the interpreter), say so, and compute the same.
@@ -314,6 +315,7 @@ def test_b_plus_is_the_fastest_measured_peer_row():
     assert tok_s.mark_b_plus_best([dict(group="(b) peers", error="x")]) is None
 
 
+@pytest.mark.slow
 def test_isolated_groups_run_in_processes_of_their_own(tmp_path):
     """--isolate on (the GPU default): one child process per group, the same rows as in one process."""
     out_json = tmp_path / "rows.json"

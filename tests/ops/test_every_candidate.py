@@ -30,7 +30,8 @@ from triton.runtime.errors import OutOfResources
 import dflash_kernels.ops as ops_pkg
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import ByPrecision
 from dflash_kernels.runtime import TritonKernel
-from tests.helpers import check_close, device, on_reference_device, rel_err, require_triton_kernels, worst_row_err
+from tests.helpers import (check_close, device, on_reference_device, rel_err, require_triton_kernels, slow_param,
+                           worst_row_err)
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -399,9 +400,10 @@ def test_candidate(monkeypatch, name, index, size):
     _run_alone(monkeypatch, name, index, size)
 
 
-# Kernels whose drivers also run under the CPU interpreter (size "interpret": small, odd).
+# Kernels whose drivers also run under the CPU interpreter (size "interpret": small, odd). The default run
+# takes each kernel's first config (what an untuned run launches); -m slow the others.
 INTERPRETED = sorted(n for n in KERNELS if n.startswith("rms_norm_"))
-INTERPRETED_CASES = [pytest.param(name, i, id=f"{name}[{i}]-interpret")
+INTERPRETED_CASES = [slow_param(name, i, id=f"{name}[{i}]-interpret", slow=i > 0)
                      for name in INTERPRETED for i in range(len(KERNELS[name].configs))]
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from dflash_kernels.ops.gated_delta_rule.naive import naive_gdn_gate, naive_recurrent_gated_delta_rule
 from dflash_kernels.runtime import resolve
-from tests.helpers import device, rel_err
+from tests.helpers import device, rel_err, slow_param
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
 
@@ -216,7 +216,7 @@ def test_chunk_options(B, T, Hk, Hv, K, V, dtype, opts, h0, final, bias):
     _compare(_prepare(tensors, kwargs), kwargs, final, dtype)
 
 
-@pytest.mark.parametrize("meta", ["cu_seqlens_cpu", "chunk_indices", "both"])
+@pytest.mark.parametrize("meta", [slow_param("cu_seqlens_cpu"), slow_param("chunk_indices"), "both"])
 def test_chunk_varlen_metadata(monkeypatch, meta):
     # Packed sequences (short, one chunk, empty, off the boundary), V-first states, the fused gate and
     # sigmoid; the metadata given in each of fla's forms, and cu_seqlens never copied to the host.

@@ -19,7 +19,7 @@ import torch
 from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn_module
 from dflash_kernels.ops.gated_delta_rule import kernels_bwd
 from dflash_kernels.runtime import alloc
-from tests.helpers import device
+from tests.helpers import device, slow_param
 from tests.ops.test_gated_delta_rule import _compare, _inputs, _run
 
 GUARD = 1024  # elements before and after each tensor argument
@@ -96,7 +96,7 @@ def _grads(shape, dtype):
     return tensors, _run(gdn_module.chunk_gated_delta_rule, tensors, {}, False, do, None)[2]
 
 
-@pytest.mark.parametrize("B,T,Hk,Hv,K,V", [s[1:] for s in SHAPES], ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V", [slow_param(*s[1:], id=s[0], slow=s[0] != "K32-V16") for s in SHAPES])
 @pytest.mark.parametrize("dtype,index", list(_candidates()))
 def test_every_local_candidate_small_dims(monkeypatch, dtype, index, B, T, Hk, Hv, K, V):
     assert alloc.poisoning(), "the suite NaN-fills the launchers' outputs (tests/conftest.py)"

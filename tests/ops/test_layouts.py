@@ -37,7 +37,7 @@ import dflash_kernels as dk
 from dflash_kernels import reference as ref
 from dflash_kernels.ops.attention import BlockSparseMask
 from dflash_kernels.ops.adamw.naive import naive_adamw_
-from tests.helpers import check_close, require_triton_kernels
+from tests.helpers import check_close, require_triton_kernels, slow_param
 from tests.ops.test_malformed import _gdn, _lce
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -727,7 +727,10 @@ def check_layouts(case: Case, layouts: dict) -> None:
 
 
 def _layout_params():
+    """Each (case, argument, layout). The default run takes one layout per argument, the layouts in turn
+    over the arguments of all cases; -m slow the others."""
     params = []
+    turn = 0
     for case in CASES:
         if not case.layouts:
             continue
@@ -735,9 +738,11 @@ def _layout_params():
             if case.layout_args is not None and name not in case.layout_args:
                 continue
             t = case.build()[name]
-            for layout in case.layout_set:
-                if (name, layout) not in case.skip and applies(t, layout, case.swap_of(name)):
-                    params.append(pytest.param(case.id, name, layout, id=f"{case.id}-{name}-{layout}"))
+            laid = [lo for lo in case.layout_set if (name, lo) not in case.skip and applies(t, lo, case.swap_of(name))]
+            for i, layout in enumerate(laid):
+                params.append(slow_param(case.id, name, layout, id=f"{case.id}-{name}-{layout}",
+                                         slow=i != turn % len(laid)))
+            turn += 1
     return params
 
 
@@ -748,16 +753,19 @@ def test_layout(case_id, arg, layout):
 
 
 def _every_argument_params():
+    """Each (case, layout). The default run takes one layout per case, the layouts in turn over the cases;
+    -m slow the others."""
     params = []
+    turn = 0
     for case in CASES:
         if not case.every_argument:
             continue
         args = case.build()
-        for layout in LAYOUTS:
-            chosen = [n for n in case.tensor_args() if (n, layout) not in case.skip
-                      and case.refusal(n, layout) is None and applies(args[n], layout, case.swap_of(n))]
-            if chosen:
-                params.append(pytest.param(case.id, layout, id=f"{case.id}-{layout}"))
+        laid = [lo for lo in LAYOUTS if any((n, lo) not in case.skip and case.refusal(n, lo) is None
+                                            and applies(args[n], lo, case.swap_of(n)) for n in case.tensor_args())]
+        for i, layout in enumerate(laid):
+            params.append(slow_param(case.id, layout, id=f"{case.id}-{layout}", slow=i != turn % len(laid)))
+        turn += 1
     return params
 
 

@@ -19,7 +19,7 @@ from dflash_kernels.ops.attention.naive import naive_dense_mask
 from dflash_kernels.ops.conv1d import causal_conv1d
 from dflash_kernels.ops.conv1d import cuda as conv_cuda
 from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from tests.helpers import device, require_triton_kernels
+from tests.helpers import device, require_triton_kernels, slow_param
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = device()
@@ -266,7 +266,7 @@ def _gdn_check_confined(fn, x, kwargs, segments, bad, name, t, value, grad):
         assert not o[b, rows.start + t].isfinite().all(), "the poisoned token's output stayed finite"
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("value", [float("nan"), slow_param(float("inf"))], ids=["nan", "inf"])
 @pytest.mark.parametrize("name", GDN_INPUTS)
 def test_gdn_nonfinite_stays_in_its_sequence(gdn_backend, name, value):
     """B = 2 sequences of 70 tokens (a full chunk and a partial one), fp32, a GQA group of 2 value heads:
@@ -292,8 +292,8 @@ def _gdn_packed_docs():
     return x, kwargs, bounds
 
 
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("name", GDN_INPUTS)
+@pytest.mark.parametrize("value", [float("nan"), slow_param(float("inf"))], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", [slow_param(n, slow=n not in ("v", "g")) for n in GDN_INPUTS])
 def test_gdn_nonfinite_stays_in_its_document(gdn_backend, name, value):
     """Packed documents of 37, 70 and 45 tokens (cu_seqlens), bf16, the raw gate and beta logits in the
     kernel, q/k l2norm in the kernel: a NaN / Inf at token 20 of the middle document (where the rows of
@@ -313,9 +313,9 @@ GDN_TOKENS = (64 + 20, 64 + 40, 64 + 60, 128 + 5)
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("name", GDN_INPUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, slow_param(torch.bfloat16)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("value", [float("nan"), slow_param(float("inf"))], ids=["nan", "inf"])
+@pytest.mark.parametrize("name", [slow_param(n, slow=n not in ("q", "v")) for n in GDN_INPUTS])
 def test_gdn_nonfinite_token_reaches_no_earlier_token(name, value, dtype):
     """Inside one sequence (150 tokens: two full chunks, a partial one), forward: head h holds a NaN / Inf
     at token GDN_TOKENS[h]. Its outputs before that token are exactly the clean run's (they cannot see
@@ -352,7 +352,7 @@ def test_gdn_nonfinite_token_reaches_no_earlier_token(name, value, dtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("t", [20, 66], ids=["full_chunk", "partial_chunk"])
+@pytest.mark.parametrize("t", [20, slow_param(66)], ids=["full_chunk", "partial_chunk"])
 @pytest.mark.parametrize("name", ["k", "v", "g", "beta"])
 def test_gdn_nonfinite_token_reaches_no_earlier_token_of_its_document(name, t):
     """The packed documents of test_gdn_nonfinite_stays_in_its_document (bf16, the raw gate and beta
@@ -451,8 +451,8 @@ def conv_impl(request):
 
 
 @pytest.mark.parametrize("conv_impl", ["triton", "cuda", "reference"], indirect=True)
-@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("layout", ["channel_first", "channel_last"])
+@pytest.mark.parametrize("value", [float("nan"), slow_param(float("inf"))], ids=["nan", "inf"])
+@pytest.mark.parametrize("layout", ["channel_first", slow_param("channel_last")])
 @pytest.mark.parametrize("spot", list(CONV_SPOTS))
 def test_conv1d_nonfinite_stays_in_its_segment(conv_impl, spot, layout, value):
     """W = 4, silu, packed segments (CONV_SEQ); channel 17 of x is NaN / Inf at one time. y is non-finite

@@ -108,6 +108,7 @@ def test_the_stand_ins_catch_a_cpu_forward(peers_path):
     assert refused or fell_back, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_build_preflight_and_training_on_the_cpu(peers_path, tmp_path):
     cache = str(tmp_path / "cache")
     proc = run(["-m", "trainer.build_default", "--cache-dir", cache, "--steps", "2", "--train-records", "8",

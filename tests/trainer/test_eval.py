@@ -1,6 +1,7 @@
 """Block speculative decoding: output equals the target's greedy decoding, acceptance lengths in
 range; the hybrid target loads and gives the chosen layers' states."""
 
+import pytest
 import torch
 
 from trainer.config import default_target_layer_ids
@@ -57,6 +58,7 @@ def test_draft_ignores_context_at_and_after_anchor(tiny_qwen3_dir):
     assert res["rounds"] >= 1 and 1 <= res["tau"] <= d.config.block_size
 
 
+@pytest.mark.slow
 def test_hybrid_target_features(tiny_qwen35_dir):
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B's DFlash layers
     assert default_target_layer_ids(4, 2) == [1, 1]

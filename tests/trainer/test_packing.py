@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers import slow_param
 from trainer.data import (batch_at, load_jsonl, pack_sequences, packed_drafter_masks, packed_target_features,
                           sample_anchors, seeded_generator)
 from trainer.loss import block_inputs, block_labels, dflash_loss
@@ -87,7 +88,7 @@ def _packed_case(vocab):
     return docs, ids, doc_ids, where
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen35"])
+@pytest.mark.parametrize("arch", ["qwen3", slow_param("qwen35")])
 def test_packed_target_features_equal_each_document_alone(arch, tiny_qwen3_dir, tiny_qwen35_dir):
     target = load_target(tiny_qwen3_dir if arch == "qwen3" else tiny_qwen35_dir, [1, 2])
     docs, ids, doc_ids, where = _packed_case(target.vocab_size)

@@ -99,6 +99,7 @@ def sigterm_then_resume(tmp_path, target, data, steps=10, extra=(), env_extra=No
     return stopped
 
 
+@pytest.mark.slow
 def test_sigterm_in_the_single_process_loop_checkpoints_and_resumes(tmp_path, tiny_qwen3_dir, counting_data):
     sigterm_then_resume(tmp_path, tiny_qwen3_dir, counting_data, steps=10)
     # The resumed trajectory is the uninterrupted one (same process kind: a fresh CLI run).

@@ -49,7 +49,6 @@ def test_the_last_layer_keeps_the_whole_forward(tiny_qwen35_dir):
     assert torch.equal(target.features(ids), _whole_forward_features(target, ids))
 
 
-@pytest.mark.slow
 def test_threads_sharing_a_target_get_their_own_features(tiny_qwen35_dir):
     target = load_target(tiny_qwen35_dir, layer_ids=[0, 1], use_kernels=False)
     inputs = [_ids(target, s) for s in range(6)]

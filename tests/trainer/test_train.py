@@ -166,6 +166,7 @@ def test_betas_outside_0_1_are_refused_when_the_config_is_made(betas, match, cap
     assert re.search(match, err), err
 
 
+@pytest.mark.slow
 def test_fused_elementwise_ops_train_the_same_trajectory(tmp_path, tiny_qwen3_dir, counting_data, monkeypatch):
     """The drafter's fused RMSNorm / RoPE / SwiGLU (the default on a GPU) against its plain torch chains (the
     path before them): the same losses, accuracies and weights over a run, up to fp32 rounding."""
