@@ -131,7 +131,8 @@ if __name__ == "__main__":
         description=("Block-sparse attention, Gated DeltaNet, causal conv1d, fused LM-head cross-entropy and fused "
                      "norm/RoPE/SwiGLU kernels with a thread-safe runtime"),
         packages=find_packages(include=["dflash_kernels", "dflash_kernels.*"]),
-        package_data={"dflash_kernels.runtime": ["tuned/*.json"]},  # tuning results shipped per GPU model
+        # tuning results shipped per GPU model; compiled kernels per GPU architecture, Triton and driver version
+        package_data={"dflash_kernels.runtime": ["tuned/*.json", "compiled/*.tar.xz"]},
         python_requires=">=3.10",
         install_requires=["torch>=2.5", "triton>=3.4"],
         extras_require={

@@ -26,7 +26,7 @@ from triton import knobs
 from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import MockTensor
 
-from dflash_kernels.runtime import choice, settings, tuning
+from dflash_kernels.runtime import choice, kernel_bundle, settings, tuning
 from dflash_kernels.runtime.devices import current_stream, on_device
 
 from triton.backends.compiler import BaseBackend
@@ -306,6 +306,8 @@ class TritonKernel:
                 entry.hits += 1
                 return entry
             settings.check_strict(self.name, key)
+            if dev >= 0 and not self.interpreted:  # the package's compiled kernels for this GPU, before compiling
+                kernel_bundle.ensure_shipped(dev)
             shard = settings.compile_shard()
             if shard is not None and not self.interpreted:
                 entry = self._compile_share(key, args, constexprs, dev, shard)
@@ -351,21 +353,44 @@ class TritonKernel:
             return
         store = tuning.store()
         name = tuning.SIGNATURE_PREFIX + self._persist_name(key)
-        if store.get(dev, name) is None:
+        tags = settings.record_tags()
+        saved = store.get(dev, name)
+        if saved is None or not set(tags) <= set(saved.get("tags", ())):
+            if tags or (saved is not None and saved.get("tags")):
+                signature["tags"] = sorted(set(tags) | set(saved.get("tags", ()) if saved else ()))
             store.put(dev, name, signature)
+
+    def _signature_configs(self, persist_name, dev):
+        """The configs a key needs compiled: its stored tuning result's config, else every candidate when
+        tuning is on, else the first."""
+        if len(self.configs) > 1 and settings.tuning_enabled():
+            saved, _ = tuning.store().lookup(dev, persist_name)
+            return [Config.from_dict(saved["config"])] if saved is not None else list(self.configs)
+        return [self.configs[0]]
+
+    def compiled_for_signature(self, persist_name, signature, dev):
+        """The compiled kernels (Triton's ``CompiledKernel``, from its on-disk cache when there) of a recorded
+        launch signature's configs, compiling what is missing; configs that do not fit this GPU are left out."""
+        args = [_mock_arg(a) for a in signature["args"]]
+        out = []
+        for config in self._signature_configs(persist_name, dev):
+            meta = {**signature["constexprs"], **config.meta}
+            try:
+                with on_device(dev):
+                    out.append(self.fn.warmup(*args, *self._full_meta(meta), grid=(1,), num_warps=config.num_warps,
+                                              num_stages=config.num_stages))
+            except OutOfResources:
+                pass
+        return out
 
     def compile_signature(self, persist_name, signature, dev, shard):
         """Compile, into Triton's on-disk cache, this worker's share (``shard``: (index, count)) of the configs
         a recorded launch signature will need: its stored tuning result's config, else every candidate when
         tuning is on, else the first. Returns the number compiled."""
         index, shards = shard
-        configs = [self.configs[0]]
-        if len(self.configs) > 1 and settings.tuning_enabled():
-            saved, _ = tuning.store().lookup(dev, persist_name)
-            configs = [Config.from_dict(saved["config"])] if saved is not None else self.configs
         args = [_mock_arg(a) for a in signature["args"]]
         n = 0
-        for config in configs:
+        for config in self._signature_configs(persist_name, dev):
             if zlib.crc32(f"{persist_name}|{config!r}".encode()) % shards != index:
                 continue
             meta = {**signature["constexprs"], **config.meta}
@@ -390,10 +415,7 @@ class TritonKernel:
         index, shards = shard
         entry = _Entry()
         entry.tuned_from = "compile-only"
-        configs = [self.configs[0]]
-        if len(self.configs) > 1 and settings.tuning_enabled():
-            saved, _ = tuning.store().lookup(dev, self._persist_name(key))
-            configs = [Config.from_dict(saved["config"])] if saved is not None else self.configs
+        configs = self._signature_configs(self._persist_name(key), dev)
         t0 = time.perf_counter()
         for config in configs:
             if zlib.crc32(f"{self.name}|{key[:3]!r}|{config!r}".encode()) % shards != index:

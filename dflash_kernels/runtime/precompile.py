@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from dflash_kernels.runtime import settings, tuning
+from dflash_kernels.runtime import kernel_bundle, settings, tuning
 from dflash_kernels.runtime.devices import gpu_model
 from dflash_kernels.runtime.kernel import all_kernels, cache_info
 
@@ -190,7 +190,7 @@ class PendingPrecompile:
         return self._result
 
 
-def precompile_recorded(device=None, workers=None, verbose=True, background=False):
+def precompile_recorded(device=None, workers=None, verbose=True, background=False, tags=None):
     """Compile, in parallel worker processes, every kernel launch recorded for this GPU model: by any earlier
     run on it with this cache folder, and shipped with the package (``runtime/tuned/``). Each compiles into
     Triton's on-disk cache, so this process's first call of such a kernel loads it in milliseconds instead of
@@ -206,17 +206,21 @@ def precompile_recorded(device=None, workers=None, verbose=True, background=Fals
         background: return at once a :class:`PendingPrecompile` whose ``wait()`` gives the report, so that the
             compiling overlaps other start-up work (loading a model). A later call for the same GPU model waits
             for it and compiles only what it left.
+        tags: only the launches recorded under one of these names (a run's preset: ``real``, ``embedded``,
+            ``27b``, ``ops``; see ``DFLASH_KERNELS_RECORD_TAG``).
 
     Returns:
-        ``{"recorded", "current", "done_before", "compiled", "workers", "seconds", "errors"}``: signatures
-        found, those of the current kernel sources, those an earlier call in this process compiled, kernels
-        compiled now.
+        ``{"recorded", "current", "shipped", "done_before", "compiled", "untuned", "workers", "seconds",
+        "errors"}``: signatures found (of ``tags``), those of the current kernel sources, those whose compiled
+        kernels the package shipped (in the cache folder already), those an earlier call in this process
+        compiled, kernels compiled now, and signatures with several candidate configs but no stored tuning
+        (all candidates compiled; timed at their first call).
     """
     if background:
-        return PendingPrecompile(lambda: precompile_recorded(device, workers, verbose))
+        return PendingPrecompile(lambda: precompile_recorded(device, workers, verbose, tags=tags))
     t0 = time.perf_counter()
-    report = {"recorded": 0, "current": 0, "done_before": 0, "compiled": 0, "workers": 0, "seconds": 0.0,
-              "errors": []}
+    report = {"recorded": 0, "current": 0, "shipped": 0, "done_before": 0, "compiled": 0, "untuned": 0,
+              "workers": 0, "seconds": 0.0, "errors": []}
     if not torch.cuda.is_available() or settings.interpreting():
         return report
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -227,12 +231,13 @@ def precompile_recorded(device=None, workers=None, verbose=True, background=Fals
     with _state_lock:
         lock = _model_locks.setdefault(model, threading.Lock())
     with lock:
-        _precompile_recorded(index, model, workers, verbose, report)
+        _precompile_recorded(index, model, workers, verbose, report, tags)
     report["seconds"] = time.perf_counter() - t0
     if verbose:
         print(f"[dflash_kernels] precompile_recorded on {model}: {report['current']} recorded kernel launches of "
               f"the current sources ({report['recorded'] - report['current']} of edited kernels skipped, "
-              f"{report['done_before']} compiled earlier in this process), {report['compiled']} kernels compiled by "
+              f"{report['shipped']} shipped compiled, {report['done_before']} compiled earlier in this process), "
+              f"{report['compiled']} kernels compiled by "
               f"{report['workers']} processes in {report['seconds']:.1f}s"
               + (f"; {len(report['errors'])} problems: " + "; ".join(report["errors"][:3]) if report["errors"]
                  else ""), file=sys.stderr, flush=True)
@@ -242,18 +247,27 @@ def precompile_recorded(device=None, workers=None, verbose=True, background=Fals
     return report
 
 
-def _precompile_recorded(index, model, workers, verbose, report):
+def _precompile_recorded(index, model, workers, verbose, report, tags=None):
     recorded = tuning.store().entries(index, tuning.SIGNATURE_PREFIX)
-    hashes = {k.name: k._source_hash for k in all_kernels()}
+    if tags:
+        recorded = {n: v for n, v in recorded.items() if set(tags) & set(v.get("tags", ()))}
+    kernels = {k.name: k for k in all_kernels()}
 
     def current(name):
         kernel, _, rest = name[len(tuning.SIGNATURE_PREFIX):].partition("|")
-        return hashes.get(kernel) == rest.partition("|")[0]
+        return kernel in kernels and kernels[kernel]._source_hash == rest.partition("|")[0]
 
     current_entries = {n: v for n, v in recorded.items() if current(n)}
-    entries = {n: v for n, v in current_entries.items() if (model, n) not in _done}
-    report.update(recorded=len(recorded), current=len(current_entries),
-                  done_before=len(current_entries) - len(entries))
+    shipped = kernel_bundle.ensure_shipped(index)
+    fresh = {n: v for n, v in current_entries.items() if n[len(tuning.SIGNATURE_PREFIX):] not in shipped}
+    entries = {n: v for n, v in fresh.items() if (model, n) not in _done}
+    report.update(recorded=len(recorded), current=len(current_entries), shipped=len(current_entries) - len(fresh),
+                  done_before=len(fresh) - len(entries))
+    for n in entries:
+        persist = n[len(tuning.SIGNATURE_PREFIX):]
+        kernel = kernels[persist.partition("|")[0]]
+        if len(kernel.configs) > 1 and settings.tuning_enabled() and tuning.store().get(index, persist) is None:
+            report["untuned"] += 1
     workers = default_workers([torch.device("cuda", index)]) if workers is None else int(workers)
     report["workers"] = workers = max(1, min(workers, len(entries))) if entries else 0
     if entries:

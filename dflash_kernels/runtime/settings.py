@@ -92,6 +92,20 @@ def verbose() -> bool:
     return _env_flag("DFLASH_KERNELS_VERBOSE")
 
 
+def record_tags() -> tuple:
+    """Names that every launch signature recorded in this process is tagged with
+    (``DFLASH_KERNELS_RECORD_TAG``, comma-separated): a run records under its preset's name, so that
+    ``python -m dflash_kernels.precompile --preset NAME`` can later compile exactly that run's kernels."""
+    text = os.environ.get("DFLASH_KERNELS_RECORD_TAG", "")
+    return tuple(sorted({t.strip() for t in text.split(",") if t.strip()}))
+
+
+def shipped_kernels() -> bool:
+    """Whether the compiled kernels shipped with the package are copied into Triton's cache folder before the
+    first compile on a GPU they were built for (default on; ``DFLASH_KERNELS_SHIPPED_KERNELS=0`` turns it off)."""
+    return os.environ.get("DFLASH_KERNELS_SHIPPED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def packaged_tuning() -> bool:
     """Whether the tuning results shipped with the package are read where the cache has none (default on;
     ``DFLASH_KERNELS_PACKAGED_TUNING=0`` turns them off)."""

@@ -242,6 +242,8 @@ def test_a_background_pass_is_waited_for_and_not_repeated(monkeypatch):
         return len(job["signatures"]), []
     monkeypatch.setattr(pc, "_run_workers", fake_run)
     monkeypatch.setattr(pc, "_done", set())
+    monkeypatch.setattr(pc.kernel_bundle, "ensure_shipped", lambda dev: set())
+    monkeypatch.setattr(tuning.TuningStore, "get", lambda self, dev, name: None)
     pending = pc.precompile_recorded(device="cuda:0", workers=2, verbose=False, background=True)
     assert isinstance(pending, pc.PendingPrecompile)
     assert entered.wait(10)  # the background pass holds the GPU model's lock (or has finished)

@@ -1,0 +1,294 @@
+"""Compiled kernels that travel: Triton's cache entries of recorded launches, packed per GPU architecture.
+
+Triton compiles each kernel once per machine into its cache folder (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``), keyed by a hash of the kernel's source, Triton's version, the target architecture, the
+ptxas version and the compile options. That folder can be copied to another machine as it is. A bundle is the
+useful part of it in one file: for each recorded launch signature (see ``precompile_recorded``), the files
+Triton reads on a cache hit (the kernel's metadata and its cubin), plus the small host modules Triton builds
+with the C compiler (the launchers, one per argument signature, and ``cuda_utils``).
+
+- :func:`export` writes a bundle of this machine's compiled kernels; :func:`install` copies a bundle's entries
+  into the cache folder (entries already there are left alone).
+- The package ships bundles in ``runtime/compiled/``; :func:`ensure_shipped` installs the one made for this GPU
+  before the process's first compile on it. A bundle is used only where its architecture (``sm_90``), Triton
+  version and CUDA driver version equal this machine's; inside it, an entry of an edited kernel is never
+  found, because Triton's hash of the new source differs.
+"""
+
+import datetime
+import hashlib
+import io
+import json
+import os
+import sys
+import tarfile
+import tempfile
+import threading
+
+import torch
+import triton
+
+from dflash_kernels.runtime import settings, tuning
+
+__all__ = ["bundle_key", "bundle_name", "export", "install", "ensure_shipped", "installed_signatures"]
+
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compiled")
+MANIFEST = "MANIFEST.json"
+FORMAT = 1
+
+
+def _driver_cuda() -> str:
+    """The CUDA version of the installed driver, ``"13.0"``; ``""`` when it cannot be read."""
+    try:
+        v = int(torch._C._cuda_getDriverVersion())
+    except Exception:  # noqa: BLE001 - an unknown driver matches no bundle
+        return ""
+    return f"{v // 1000}.{(v % 1000) // 10}" if v > 0 else ""
+
+
+def bundle_key(device) -> dict:
+    """What a bundle must match to be used on ``device``: architecture, Triton version, the driver's CUDA version."""
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return {"arch": f"sm_{major}{minor}", "triton": triton.__version__, "cuda_driver": _driver_cuda()}
+
+
+def bundle_name(key: dict) -> str:
+    return f"kernels-{key['arch'].replace('_', '')}-triton{key['triton']}-cuda{key['cuda_driver']}.tar.xz"
+
+
+def _cache_root() -> str:
+    from triton import knobs
+
+    return knobs.cache.dir
+
+
+def _signature_names(device, tags=None) -> dict:
+    """``{persist name: signature}`` of the recorded launches of ``device``'s GPU model whose kernel source is
+    current (and, with ``tags``, recorded under one of them)."""
+    from dflash_kernels.runtime.kernel import all_kernels
+
+    hashes = {k.name: k._source_hash for k in all_kernels()}
+    out = {}
+    for name, sig in tuning.store().entries(device, tuning.SIGNATURE_PREFIX).items():
+        persist = name[len(tuning.SIGNATURE_PREFIX):]
+        kernel, _, rest = persist.partition("|")
+        if hashes.get(kernel) != rest.partition("|")[0]:
+            continue
+        if tags and not set(tags) & set(sig.get("tags", ())):
+            continue
+        out[persist] = sig
+    return out
+
+
+def export(path: str, device=None, tags=None, run: str = None) -> dict:
+    """Write a bundle of the compiled kernels of every recorded launch of this GPU model (of the current kernel
+    sources; with ``tags``, only those recorded under one of them) to ``path``: the configs the tuning store
+    holds for each (compiling any that is missing), and every host module in Triton's cache folder.
+
+    Returns the manifest written."""
+    import dflash_kernels  # noqa: F401 - defines every op's kernels
+    from dflash_kernels.runtime.kernel import all_kernels
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    kernels = {k.name: k for k in all_kernels()}
+    files = {}  # archive path -> bytes
+    covered = []
+    for persist, sig in sorted(_signature_names(index, tags).items()):
+        kernel = kernels[persist.partition("|")[0]]
+        compiled = kernel.compiled_for_signature(persist, sig, index)
+        for ck in compiled:
+            ck._init_handles()  # builds the launcher module into the cache folder if it is not there
+            files.update(entry_files(ck))
+        if compiled:
+            covered.append(persist)
+    root = _cache_root()
+    launchers = 0
+    for entry in sorted(os.listdir(root)):
+        folder = os.path.join(root, entry)
+        if not os.path.isdir(folder):
+            continue
+        names = [n for n in os.listdir(folder) if not n.startswith(".") and n != "lock"]
+        if len(names) == 1 and names[0].endswith(".so"):  # a host module: a launcher, cuda_utils
+            with open(os.path.join(folder, names[0]), "rb") as f:
+                files[f"{entry}/{names[0]}"] = f.read()
+            launchers += 1
+    manifest = dict(bundle_key(dev), format=FORMAT, gpu=torch.cuda.get_device_name(dev), python=sys.version.split()[0],
+                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), run=run,
+                    tags=sorted(tags) if tags else None, kernels=sum(n.endswith(".cubin") for n in files),
+                    host_modules=launchers, signatures=covered)
+    pack(path, manifest, files)
+    return manifest
+
+
+def entry_files(compiled) -> dict:
+    """``{"<cache entry>/<file>": bytes}``: what Triton reads on a cache hit of ``compiled`` (a
+    ``CompiledKernel``): its metadata and its binary."""
+    from triton.runtime.cache import get_cache_manager
+
+    folder = get_cache_manager(compiled.hash).cache_dir
+    entry = os.path.basename(folder)
+    out = {}
+    for suffix in (".json", ".cubin"):
+        with open(os.path.join(folder, compiled.name + suffix), "rb") as f:
+            out[f"{entry}/{compiled.name}{suffix}"] = f.read()
+    return out
+
+
+def pack(path: str, manifest: dict, files: dict) -> None:
+    """Write a bundle: ``manifest`` and ``files`` (``{"<cache entry>/<file>": bytes}``), xz-compressed."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with tarfile.open(tmp, "w:xz", preset=9) as tar:
+        for name, data in [(MANIFEST, json.dumps(manifest, indent=1).encode())] + sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    os.replace(tmp, path)
+
+
+def read_manifest(path: str) -> dict:
+    with tarfile.open(path, "r:xz") as tar:
+        return json.load(tar.extractfile(MANIFEST))
+
+
+def install(path: str, device=None, force: bool = False, machine: dict = None) -> dict:
+    """Copy ``path``'s entries into Triton's cache folder where they are not there yet.
+
+    The bundle is used only when its architecture, Triton version and driver CUDA version equal ``device``'s
+    (``force``: whatever they are; Triton's hashes still keep every entry from a kernel it does not match).
+    ``machine``: this machine's :func:`bundle_key`, when already known.
+
+    Returns ``{"installed", "present", "manifest", "skipped"}``: entries copied, entries found there already,
+    and, when nothing was copied for a mismatch, why."""
+    if machine is None:
+        machine = bundle_key(torch.device("cuda", torch.cuda.current_device()) if device is None else device)
+    with tarfile.open(path, "r:xz") as tar:
+        members = {m.name: m for m in tar.getmembers() if m.isfile()}
+        manifest = json.load(tar.extractfile(members.pop(MANIFEST)))
+        report = {"installed": 0, "present": 0, "manifest": manifest, "skipped": None}
+        want = machine
+        have = {k: manifest.get(k) for k in want}
+        if have != want and not force:
+            report["skipped"] = f"made for {have}, this machine is {want}"
+            return report
+        root = _cache_root()
+        entries = {}
+        for name in members:
+            entry, _, file = name.partition("/")
+            if "/" in file or entry in ("", ".", "..") or file in ("", ".", ".."):
+                raise ValueError(f"path: {path!r} holds an unexpected member {name!r}")
+            entries.setdefault(entry, []).append(file)
+        for entry, names in sorted(entries.items()):
+            folder = os.path.join(root, entry)
+            kernel = [n for n in names if n.endswith(".json")]
+            done = (os.path.exists(os.path.join(folder, "__grp__" + kernel[0])) if kernel
+                    else all(os.path.exists(os.path.join(folder, n)) for n in names))
+            if done:
+                report["present"] += 1
+                continue
+            os.makedirs(folder, exist_ok=True)
+            for n in names:
+                _write(os.path.join(folder, n), tar.extractfile(members[f"{entry}/{n}"]).read())
+            if kernel:  # the group file Triton looks up, written last, with this folder's paths
+                group = {n: os.path.join(folder, n) for n in names}
+                _write(os.path.join(folder, "__grp__" + kernel[0]), json.dumps({"child_paths": group}).encode())
+            report["installed"] += 1
+    return report
+
+
+def _write(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".dk-", suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+_lock = threading.Lock()
+_checked = {}  # (Triton cache folder, device index) -> persist names the shipped bundle covers (empty: none)
+
+
+def ensure_shipped(device) -> set:
+    """Install the shipped bundle made for ``device`` (once per process and cache folder; a marker file in the
+    cache folder makes later processes skip it). Returns the persist names of the launches it covers."""
+    if not settings.shipped_kernels() or settings.interpreting():
+        return set()
+    dev = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if dev.type != "cuda":
+        return set()
+    root = _cache_root()
+    slot = (root, dev.index if dev.index is not None else torch.cuda.current_device())
+    found = _checked.get(slot)
+    if found is not None:
+        return found
+    with _lock:
+        found = _checked.get(slot)
+        if found is not None:
+            return found
+        found = set()
+        shipped = os.listdir(SHIPPED_DIR) if os.path.isdir(SHIPPED_DIR) else []
+        path = None
+        if any(n.endswith(".tar.xz") for n in shipped):
+            machine = bundle_key(dev)
+            path = os.path.join(SHIPPED_DIR, bundle_name(machine))
+        if path is not None and os.path.exists(path):
+            try:
+                with open(path, "rb") as f:
+                    digest = hashlib.sha256(f.read()).hexdigest()[:16]
+                marker = os.path.join(root, f".dflash_kernels-shipped-{digest}.json")
+                if os.path.exists(marker):
+                    with open(marker) as f:
+                        found = set(json.load(f)["signatures"])
+                else:
+                    report = install(path, machine=machine)
+                    if report["skipped"] is None:
+                        found = set(report["manifest"]["signatures"])
+                        os.makedirs(root, exist_ok=True)
+                        _write(marker, json.dumps({"bundle": path, "signatures": sorted(found)}).encode())
+                    if settings.verbose():
+                        print(f"[dflash_kernels] shipped kernels {os.path.basename(path)}: {report['installed']} "
+                              f"entries copied into {root}, {report['present']} there already")
+            except (OSError, tarfile.TarError, ValueError, KeyError) as e:
+                import warnings
+
+                warnings.warn(f"the shipped kernel bundle {path} could not be installed into {root} ({e}); its "
+                              f"kernels compile at their first call", RuntimeWarning, stacklevel=2)
+        _checked[slot] = found
+        return found
+
+
+def installed_signatures(device) -> set:
+    """The persist names of launches whose compiled kernels the shipped bundle put into the cache folder."""
+    return ensure_shipped(device)
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dflash_kernels.runtime.kernel_bundle",
+                                description="Export or install a bundle of compiled kernels (Triton cache entries).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="write this GPU model's recorded launches' compiled kernels to FILE")
+    e.add_argument("file", nargs="?", help=f"default: {SHIPPED_DIR}/<bundle name> (the package's shipped bundle)")
+    e.add_argument("--tags", default=None, help="only launches recorded under these tags (comma-separated)")
+    e.add_argument("--run", default=None, help="the run that recorded them, written into the manifest")
+    i = sub.add_parser("install", help="copy FILE's entries into Triton's cache folder")
+    i.add_argument("file")
+    i.add_argument("--force", action="store_true", help="also when it was made for another machine key")
+    args = p.parse_args(argv)
+    if args.cmd == "export":
+        dev = torch.device("cuda", torch.cuda.current_device())
+        path = args.file or os.path.join(SHIPPED_DIR, bundle_name(bundle_key(dev)))
+        tags = [t for t in (args.tags or "").split(",") if t] or None
+        m = export(path, dev, tags=tags, run=args.run)
+        print(f"wrote {path}: {m['kernels']} kernels of {len(m['signatures'])} launches, {m['host_modules']} host "
+              f"modules, {os.path.getsize(path) / 2**20:.1f} MiB")
+    else:
+        r = install(args.file, force=args.force)
+        print(f"{args.file}: " + (f"not installed: {r['skipped']}" if r["skipped"] else
+                                  f"{r['installed']} entries copied into {_cache_root()}, {r['present']} there already"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
