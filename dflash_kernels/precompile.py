@@ -4,6 +4,8 @@
     python -m dflash_kernels.precompile --preset real,embedded,27b,ops
     python -m dflash_kernels.precompile --op "gdn:B=1,T=8192,Hk=16,Hv=32,K=128,V=128" --dtype bfloat16
     python -m dflash_kernels.precompile --list                   # the presets recorded for this GPU
+    python -m dflash_kernels.precompile --export-kernels k.tar.xz  # this machine's compiled kernels, to copy
+    python -m dflash_kernels.precompile --import-kernels k.tar.xz  # on another machine of the same GPU
 
 ``--preset``: the kernel launches a run of that preset recorded for this GPU model, shipped with the package
 (the H100 and H200; ``ops`` is the op benchmarks' shapes) or recorded on this machine by an earlier run
@@ -22,6 +24,7 @@ as the function :func:`dflash_kernels.runtime.precompile.precompile`.
 import argparse
 import importlib
 import json
+import os
 import sys
 import types
 
@@ -29,6 +32,7 @@ import torch
 
 # By path: the attribute ``dflash_kernels.runtime.precompile`` is the function, not its module.
 _rt = importlib.import_module("dflash_kernels.runtime.precompile")
+from dflash_kernels.runtime import kernel_bundle  # noqa: E402
 
 __all__ = ["main", "parse_op"]
 
@@ -91,9 +95,16 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="default: the current CUDA device")
     p.add_argument("--workers", type=int, default=None, help="compile processes (default: the machine's cores, <= 16)")
     p.add_argument("--list", action="store_true", help="print the presets recorded for this GPU model and the ops")
+    p.add_argument("--import-kernels", default=None, metavar="FILE",
+                   help="copy a bundle of compiled kernels (made by --export-kernels on a machine with the same "
+                        "GPU architecture, Triton and driver version) into Triton's cache folder, first")
+    p.add_argument("--export-kernels", default=None, metavar="FILE",
+                   help="last, write the compiled kernels of this GPU model's recorded launches (of --preset's tags "
+                        "when given) to FILE ('shipped': the package's own bundle for this machine)")
+    p.add_argument("--run", default=None, help="--export-kernels: the run that recorded the launches, for the manifest")
     args = p.parse_args(argv)
-    if not (args.preset or args.op or args.list):
-        p.error("nothing to do: give --preset, --op or --list")
+    if not (args.preset or args.op or args.list or args.import_kernels or args.export_kernels):
+        p.error("nothing to do: give --preset, --op, --list, --import-kernels or --export-kernels")
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         p.error(f"--dtype: {args.dtype!r} is not a torch dtype (e.g. bfloat16, float16, float32)")
@@ -120,6 +131,15 @@ def main(argv=None) -> int:
             print(f"recorded launches on {where}: " + (", ".join(f"{t} {n}" for t, n in sorted(counts.items()))
                                                        or "none"))
     status = 0
+    if args.import_kernels:
+        if dev.type != "cuda":
+            print(f"--import-kernels: nothing to do on {where}")
+        else:
+            r = kernel_bundle.install(args.import_kernels, dev)
+            print(f"--import-kernels {args.import_kernels}: " + (
+                f"not installed: {r['skipped']}" if r["skipped"] else
+                f"{r['installed']} entries copied into {kernel_bundle._cache_root()}, {r['present']} there already"))
+            status = 1 if r["skipped"] else 0
     tags = [t.strip() for t in (args.preset or "").split(",") if t.strip()]
     if "ops" in tags:  # the op benchmarks' shapes, as specs: compiled and tuned on any GPU
         tags.remove("ops")
@@ -172,6 +192,16 @@ def main(argv=None) -> int:
                 print(f"  problem: {e}")
         if dev.type != "cuda":
             print("  (on the CPU the kernels run in the Triton interpreter: nothing was compiled)")
+    if args.export_kernels:
+        if dev.type != "cuda":
+            print(f"--export-kernels: nothing compiled on {where}", file=sys.stderr)
+            return 2
+        path = args.export_kernels
+        if path == "shipped":
+            path = os.path.join(kernel_bundle.SHIPPED_DIR, kernel_bundle.bundle_name(kernel_bundle.bundle_key(dev)))
+        m = kernel_bundle.export(path, dev, tags=tags or None, run=args.run)
+        print(f"--export-kernels: wrote {path}: {m['kernels']} kernels of {len(m['signatures'])} recorded launches, "
+              f"{m['host_modules']} host modules, {os.path.getsize(path) / 2**20:.1f} MiB")
     return status
 
 

@@ -30,13 +30,27 @@ def main(path: str, index: int) -> None:
     for module in job["modules"]:
         importlib.import_module(module)
     errors = []
+    specs = job["specs"]
+    # Every worker runs every spec (each compiles its share of the configs), each from its own starting point,
+    # so that the workers' inputs of the largest shapes are not on the GPU all at once; a spec that ran out of
+    # memory is tried again at the end, when the others are done with theirs.
+    start = index % len(specs) if specs else 0
     for device in job["devices"]:
         dev = torch.device(device)
-        for op, shape, dtype in job["specs"]:
-            try:
-                _builders[op](decode(shape), decode(dtype), dev, job["backward"])
-            except Exception as e:  # noqa: BLE001 - reported; the parent's serial pass compiles what is left
-                errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
+        retry = []
+        for attempt, todo in enumerate((specs[start:] + specs[:start], retry)):
+            for op, shape, dtype in todo:
+                try:
+                    _builders[op](decode(shape), decode(dtype), dev, job["backward"])
+                except torch.OutOfMemoryError as e:
+                    if attempt == 0:
+                        retry.append((op, shape, dtype))
+                    else:
+                        errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+                except Exception as e:  # noqa: BLE001 - reported; the parent's serial pass compiles what is left
+                    errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     compiled = sum(v["compiles"] for v in cache_info().values())

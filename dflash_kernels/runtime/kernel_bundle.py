@@ -260,35 +260,3 @@ def ensure_shipped(device) -> set:
 def installed_signatures(device) -> set:
     """The persist names of launches whose compiled kernels the shipped bundle put into the cache folder."""
     return ensure_shipped(device)
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m dflash_kernels.runtime.kernel_bundle",
-                                description="Export or install a bundle of compiled kernels (Triton cache entries).")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="write this GPU model's recorded launches' compiled kernels to FILE")
-    e.add_argument("file", nargs="?", help=f"default: {SHIPPED_DIR}/<bundle name> (the package's shipped bundle)")
-    e.add_argument("--tags", default=None, help="only launches recorded under these tags (comma-separated)")
-    e.add_argument("--run", default=None, help="the run that recorded them, written into the manifest")
-    i = sub.add_parser("install", help="copy FILE's entries into Triton's cache folder")
-    i.add_argument("file")
-    i.add_argument("--force", action="store_true", help="also when it was made for another machine key")
-    args = p.parse_args(argv)
-    if args.cmd == "export":
-        dev = torch.device("cuda", torch.cuda.current_device())
-        path = args.file or os.path.join(SHIPPED_DIR, bundle_name(bundle_key(dev)))
-        tags = [t for t in (args.tags or "").split(",") if t] or None
-        m = export(path, dev, tags=tags, run=args.run)
-        print(f"wrote {path}: {m['kernels']} kernels of {len(m['signatures'])} launches, {m['host_modules']} host "
-              f"modules, {os.path.getsize(path) / 2**20:.1f} MiB")
-    else:
-        r = install(args.file, force=args.force)
-        print(f"{args.file}: " + (f"not installed: {r['skipped']}" if r["skipped"] else
-                                  f"{r['installed']} entries copied into {_cache_root()}, {r['present']} there already"))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

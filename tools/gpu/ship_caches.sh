@@ -40,8 +40,7 @@ if has ship; then
   for f in "$DFLASH_KERNELS_CACHE_DIR"/tuning-*.json; do
     python3 -m dflash_kernels.runtime.tuning ship "$f" --run "$run"
   done
-  python3 -m dflash_kernels.runtime.kernel_bundle export --run "$run"
-  python3 -m dflash_kernels.precompile --list
+  python3 -m dflash_kernels.precompile --list --export-kernels shipped --run "$run"
   mkdir -p "$SHIP_DIR/out"
   cp dflash_kernels/runtime/tuned/tuning-*.json dflash_kernels/runtime/compiled/*.tar.xz "$SHIP_DIR/out"/
   if [ -n "${OUT:-}" ]; then cp "$SHIP_DIR"/out/* "$OUT"/; fi
