@@ -39,9 +39,14 @@ FORMAT = 1
 
 def _driver_cuda() -> str:
     """The CUDA version of the installed driver, ``"13.0"``; ``""`` when it cannot be read."""
+    import ctypes
+
     try:
-        v = int(torch._C._cuda_getDriverVersion())
-    except Exception:  # noqa: BLE001 - an unknown driver matches no bundle
+        v = ctypes.c_int(0)
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(v)) != 0:
+            return ""
+        v = v.value
+    except OSError:  # no driver library: an unknown driver matches no bundle
         return ""
     return f"{v // 1000}.{(v % 1000) // 10}" if v > 0 else ""
 

@@ -40,6 +40,8 @@ if has ship; then
   for f in "$DFLASH_KERNELS_CACHE_DIR"/tuning-*.json; do
     python3 -m dflash_kernels.runtime.tuning ship "$f" --run "$run"
   done
+  # Every recorded launch compiled into this cache (those of stages run on another machine too), then exported.
+  python3 -m dflash_kernels.precompile --preset all
   python3 -m dflash_kernels.precompile --list --export-kernels shipped --run "$run"
   mkdir -p "$SHIP_DIR/out"
   cp dflash_kernels/runtime/tuned/tuning-*.json dflash_kernels/runtime/compiled/*.tar.xz "$SHIP_DIR/out"/
