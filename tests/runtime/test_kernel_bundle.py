@@ -139,7 +139,8 @@ def test_every_shipped_bundle_is_readable_and_named_by_its_manifest():
             continue
         manifest = kb.read_manifest(os.path.join(kb.SHIPPED_DIR, name))
         assert kb.bundle_name(manifest) == name
-        assert manifest["run"] and manifest["signatures"] and manifest["kernels"] >= len(manifest["signatures"]) > 0
+        # launches that differ only in what Triton does not specialize on share one compiled kernel
+        assert manifest["run"] and manifest["signatures"] and 0 < manifest["kernels"] <= len(manifest["signatures"])
         with tarfile.open(os.path.join(kb.SHIPPED_DIR, name), "r:xz") as tar:
             cubins = [m.name for m in tar.getmembers() if m.name.endswith(".cubin")]
         assert len(cubins) == manifest["kernels"]
