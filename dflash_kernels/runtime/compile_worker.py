@@ -2,6 +2,7 @@
 
     python -m dflash_kernels.runtime.compile_worker JOB_FILE INDEX               (precompile's specs)
     python -m dflash_kernels.runtime.compile_worker --signatures JOB_FILE INDEX  (precompile_recorded)
+    python -m dflash_kernels.runtime.compile_worker --serve                      (the tuning compile pool)
 
 Specs: every spec of the job runs on each of its devices in compile-only mode (``settings.set_compile_shard``):
 each kernel-cache miss compiles this worker's share of the key's configs into Triton's on-disk cache and
@@ -80,10 +81,39 @@ def signatures(path: str, index: int) -> None:
     print("RESULT " + json.dumps({"compiled": compiled, "errors": errors}), flush=True)
 
 
+def serve() -> None:
+    """The tuning compile pool's worker (``runtime/compile_pool.py``): each request line names a kernel, a launch
+    signature, configs and a device; the configs are compiled into Triton's on-disk cache with their launchers'
+    host modules (the kernel is not loaded onto the GPU), and one reply line says how many."""
+    import dflash_kernels  # noqa: F401 - defines every op's kernels
+    from triton.runtime import driver
+
+    from dflash_kernels.runtime.compile_pool import REPLY
+    from dflash_kernels.runtime.kernel import Config, all_kernels
+
+    kernels = {k.name: k for k in all_kernels()}
+    print(REPLY + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        compiled, errors = 0, []
+        kernel = kernels.get(request["kernel"])
+        for config in request["configs"] if kernel is not None else ():
+            try:
+                for ck in kernel.compiled_for_signature(None, request["signature"], request["device"],
+                                                        configs=[Config.from_dict(config)]):
+                    driver.active.launcher_cls(ck.src, ck.metadata)
+                    compiled += 1
+            except Exception as e:  # noqa: BLE001 - that candidate is compiled (or fails) in the tuning process
+                errors.append(f"{config}: {type(e).__name__}: {str(e)[:200]}")
+        print(REPLY + json.dumps({"compiled": compiled, "errors": errors}), flush=True)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--signatures":
+    if len(sys.argv) == 2 and sys.argv[1] == "--serve":
+        serve()
+    elif len(sys.argv) == 4 and sys.argv[1] == "--signatures":
         signatures(sys.argv[2], int(sys.argv[3]))
     elif len(sys.argv) == 3:
         main(sys.argv[1], int(sys.argv[2]))
     else:
-        raise SystemExit("usage: python -m dflash_kernels.runtime.compile_worker [--signatures] JOB_FILE INDEX")
+        raise SystemExit("usage: python -m dflash_kernels.runtime.compile_worker [--signatures] JOB_FILE INDEX | --serve")

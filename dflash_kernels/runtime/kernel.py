@@ -26,7 +26,7 @@ from triton import knobs
 from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import MockTensor
 
-from dflash_kernels.runtime import choice, kernel_bundle, settings, tuning
+from dflash_kernels.runtime import choice, compile_pool, kernel_bundle, settings, tuning
 from dflash_kernels.runtime.devices import current_stream, on_device
 
 from triton.backends.compiler import BaseBackend
@@ -368,12 +368,13 @@ class TritonKernel:
             return [Config.from_dict(saved["config"])] if saved is not None else list(self.configs)
         return [self.configs[0]]
 
-    def compiled_for_signature(self, persist_name, signature, dev):
+    def compiled_for_signature(self, persist_name, signature, dev, configs=None):
         """The compiled kernels (Triton's ``CompiledKernel``, from its on-disk cache when there) of a recorded
-        launch signature's configs, compiling what is missing; configs that do not fit this GPU are left out."""
+        launch signature's configs (``configs``, else those :meth:`_signature_configs` names), compiling what is
+        missing; configs that do not fit this GPU are left out."""
         args = [_mock_arg(a) for a in signature["args"]]
         out = []
-        for config in self._signature_configs(persist_name, dev):
+        for config in configs if configs is not None else self._signature_configs(persist_name, dev):
             meta = {**signature["constexprs"], **config.meta}
             try:
                 with on_device(dev):
@@ -488,8 +489,12 @@ class TritonKernel:
         if saved is not None:
             entry.tuned_from = source  # "disk" (this cache) or "packaged" (shipped with the package)
             return Config.from_dict(saved["config"])
+        t0 = time.perf_counter()
+        if dev >= 0 and len(self.configs) > 2:  # the candidates compiled side by side first (runtime/compile_pool.py)
+            signature = describe_launch(args, constexprs)
+            if signature is not None:
+                compile_pool.compile_candidates(self, signature, dev)
         with tuning.tuning_lock(dev):
-            t0 = time.perf_counter()
             best, timings = self._time_configs(grid, args, constexprs, dev)
             entry.tune_s = time.perf_counter() - t0
         entry.tuned_from = "timed"
