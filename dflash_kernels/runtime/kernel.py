@@ -490,7 +490,7 @@ class TritonKernel:
             entry.tuned_from = source  # "disk" (this cache) or "packaged" (shipped with the package)
             return Config.from_dict(saved["config"])
         t0 = time.perf_counter()
-        if dev >= 0 and len(self.configs) > 2:  # the candidates compiled side by side first (runtime/compile_pool.py)
+        if dev >= 0 and len(self.configs) > 1:  # the candidates compiled side by side first (runtime/compile_pool.py)
             signature = describe_launch(args, constexprs)
             if signature is not None:
                 compile_pool.compile_candidates(self, signature, dev)
