@@ -48,6 +48,7 @@ OP_SHAPES = (
     + [("gdn", dict(_GDN, B=b, T=t, Hv=48)) for b, t in ((1, 4096), (4, 4096), (1, 16384))]
     + [("conv1d", dict(B=b, D=d, T=t, W=4)) for b, d, t in ((1, 10240, 4096), (4, 10240, 4096), (8, 10240, 16384))]
     + [("linear_cross_entropy", dict(N=8192, H=2560, V=248320)),
+       ("linear_cross_entropy", dict(N=8192, H=2560, V=248320, weights=False, argmax=False)),  # the op's defaults
        ("linear_cross_entropy", dict(N=16384, H=5120, V=248320))]
 )
 
