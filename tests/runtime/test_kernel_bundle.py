@@ -5,15 +5,14 @@ the round trip through a bundle is checked against Triton's own cache lookup."""
 import importlib
 import json
 import os
+import subprocess
+import sys
 import tarfile
 
 import pytest
 import torch
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
 
 import dflash_kernels as dk
 from dflash_kernels.runtime import kernel_bundle as kb
@@ -23,18 +22,38 @@ pc = importlib.import_module("dflash_kernels.runtime.precompile")
 MACHINE = {"arch": "sm_90", "triton": triton.__version__, "cuda_driver": "13.0"}
 
 
+ROUND_TRIP = r"""
+import json, os, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dflash_kernels.runtime import kernel_bundle as kb
+
+@triton.jit
 def _add(x, y, n, BLOCK: tl.constexpr):
     o = tl.arange(0, BLOCK)
     m = o < n
     tl.store(x + o, tl.load(x + o, mask=m) + tl.load(y + o, mask=m), mask=m)
 
-
-def _compile_sm90():
-    """``_add`` compiled for sm_90 into the current TRITON_CACHE_DIR (a JITFunction whatever TRITON_INTERPRET
-    says)."""
-    src = ASTSource(JITFunction(_add), signature={"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+def compile_sm90():
+    src = ASTSource(_add, signature={"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                     constexprs={"BLOCK": 128})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+
+tmp, machine = sys.argv[1], json.loads(sys.argv[2])
+os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "first")
+first = compile_sm90()
+files = kb.entry_files(first)
+path = os.path.join(tmp, "b.tar.xz")
+kb.pack(path, dict(machine, signatures=["kern|h|()"]), files)
+os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "second")
+installed = kb.install(path, machine=machine)
+again = compile_sm90()
+print("RESULT " + json.dumps({"first_asm": sorted(first.asm), "files": sorted(files), "installed": installed["installed"],
+      "present": installed["present"], "skipped": installed["skipped"], "again_asm": sorted(again.asm),
+      "same_hash": again.hash == first.hash, "same_cubin": again.asm["cubin"] == first.asm["cubin"],
+      "second_install_present": kb.install(path, machine=machine)["present"]}))
+"""
 
 
 def _bundle(tmp_path, files, manifest=None, name="b.tar.xz"):
@@ -43,21 +62,24 @@ def _bundle(tmp_path, files, manifest=None, name="b.tar.xz"):
     return path
 
 
-def test_a_bundle_installed_into_an_empty_cache_is_what_triton_finds(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "first"))
-    compiled = _compile_sm90()
-    assert {"cubin", "ptx", "ttir"} <= set(compiled.asm)  # compiled here: every stage
-    files = kb.entry_files(compiled)
-    assert sorted(n.rpartition("/")[2] for n in files) == ["_add.cubin", "_add.json"]
-    path = _bundle(tmp_path, files)
-
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "second"))
-    report = kb.install(path, machine=MACHINE)
-    assert (report["installed"], report["present"], report["skipped"]) == (1, 0, None)
-    again = _compile_sm90()
-    assert set(again.asm) == {"cubin"}  # found in the installed entry: nothing was compiled
-    assert again.hash == compiled.hash and again.asm["cubin"] == compiled.asm["cubin"]
-    assert kb.install(path, machine=MACHINE)["present"] == 1  # a second install copies nothing
+def test_a_bundle_installed_into_an_empty_cache_is_what_triton_finds(tmp_path):
+    """A kernel compiled for sm_90 (on the CPU: Triton ships ptxas), packed, installed into an empty cache folder:
+    Triton's own lookup then finds it there and compiles nothing. Run in a process without TRITON_INTERPRET,
+    whose patches of ``triton.language`` would break a real compile in this one."""
+    script = tmp_path / "round_trip.py"
+    script.write_text(ROUND_TRIP)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), json.dumps(MACHINE)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    assert {"cubin", "ptx", "ttir"} <= set(r["first_asm"])  # compiled the first time: every stage
+    assert [n.rpartition("/")[2] for n in r["files"]] == ["_add.cubin", "_add.json"]
+    assert (r["installed"], r["present"], r["skipped"]) == (1, 0, None)
+    assert r["again_asm"] == ["cubin"]  # found in the installed entry: nothing was compiled
+    assert r["same_hash"] and r["same_cubin"] and r["second_install_present"] == 1
 
 
 @pytest.mark.parametrize("field,value", [("arch", "sm_80"), ("triton", "0.0.0"), ("cuda_driver", "12.8")])
