@@ -74,10 +74,8 @@ def parse_op(text: str) -> tuple:
 
 def recorded_tags(device) -> dict:
     """``{tag: launches}`` recorded for ``device``'s GPU model (shipped and local), of the current kernels."""
-    from dflash_kernels.runtime.kernel_bundle import _signature_names
-
     counts = {}
-    for sig in _signature_names(device).values():
+    for sig in kernel_bundle.recorded_launches(device)[1].values():
         for tag in sig.get("tags", ()) or ("(untagged)",):
             counts[tag] = counts.get(tag, 0) + 1
     return counts

@@ -32,19 +32,7 @@ WORKER_CMD = [sys.executable, "-m", "dflash_kernels.runtime.compile_worker", "--
 
 
 def workers() -> int:
-    env = os.environ.get("DFLASH_KERNELS_TUNE_WORKERS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"DFLASH_KERNELS_TUNE_WORKERS: expected a whole number, got {env!r}") from None
-        if n < 0:
-            raise ValueError(f"DFLASH_KERNELS_TUNE_WORKERS: expected >= 0, got {n}")
-        return n
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    share = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    local = int(share) if share.isdigit() and int(share) > 0 else 1
-    return max(1, min(cores // local, 8))
+    return settings.process_count("DFLASH_KERNELS_TUNE_WORKERS", 8)
 
 
 class _Pool:
@@ -109,7 +97,6 @@ def _close_idle():
 
 
 def shutdown() -> None:
-    global _timer
     if _timer is not None:
         _timer.cancel()
     _close_idle()

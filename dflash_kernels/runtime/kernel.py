@@ -389,16 +389,12 @@ class TritonKernel:
         a recorded launch signature will need: its stored tuning result's config, else every candidate when
         tuning is on, else the first. Returns the number compiled."""
         index, shards = shard
-        args = [_mock_arg(a) for a in signature["args"]]
+        mine = [c for c in self._signature_configs(persist_name, dev)
+                if zlib.crc32(f"{persist_name}|{c!r}".encode()) % shards == index]
         n = 0
-        for config in self._signature_configs(persist_name, dev):
-            if zlib.crc32(f"{persist_name}|{config!r}".encode()) % shards != index:
-                continue
-            meta = {**signature["constexprs"], **config.meta}
+        for compiled in self.compiled_for_signature(persist_name, signature, dev, mine):
             try:
                 with on_device(dev):
-                    compiled = self.fn.warmup(*args, *self._full_meta(meta), grid=(1,), num_warps=config.num_warps,
-                                              num_stages=config.num_stages)
                     # Also builds the launcher (host code Triton compiles with the system's C compiler per
                     # signature, cached beside the kernel): a fraction of a second each, off the first step too.
                     compiled._init_handles()

@@ -67,22 +67,23 @@ def _cache_root() -> str:
     return knobs.cache.dir
 
 
-def _signature_names(device, tags=None) -> dict:
-    """``{persist name: signature}`` of the recorded launches of ``device``'s GPU model whose kernel source is
-    current (and, with ``tags``, recorded under one of them)."""
+def recorded_launches(device, tags=None) -> tuple:
+    """``(recorded, current)``: how many launches are recorded for ``device``'s GPU model (with ``tags``, only
+    those recorded under one of them), and ``{persist name: signature}`` of those whose kernel source is
+    current (the others can never be found again)."""
     from dflash_kernels.runtime.kernel import all_kernels
 
     hashes = {k.name: k._source_hash for k in all_kernels()}
-    out = {}
-    for name, sig in tuning.store().entries(device, tuning.SIGNATURE_PREFIX).items():
+    recorded = tuning.store().entries(device, tuning.SIGNATURE_PREFIX)
+    if tags:
+        recorded = {n: v for n, v in recorded.items() if set(tags) & set(v.get("tags", ()))}
+    current = {}
+    for name, sig in recorded.items():
         persist = name[len(tuning.SIGNATURE_PREFIX):]
         kernel, _, rest = persist.partition("|")
-        if hashes.get(kernel) != rest.partition("|")[0]:
-            continue
-        if tags and not set(tags) & set(sig.get("tags", ())):
-            continue
-        out[persist] = sig
-    return out
+        if hashes.get(kernel) == rest.partition("|")[0]:
+            current[persist] = sig
+    return len(recorded), current
 
 
 def export(path: str, device=None, tags=None, run: str = None) -> dict:
@@ -99,7 +100,7 @@ def export(path: str, device=None, tags=None, run: str = None) -> dict:
     kernels = {k.name: k for k in all_kernels()}
     files = {}  # archive path -> bytes
     covered = []
-    for persist, sig in sorted(_signature_names(index, tags).items()):
+    for persist, sig in sorted(recorded_launches(index, tags)[1].items()):
         kernel = kernels[persist.partition("|")[0]]
         compiled = kernel.compiled_for_signature(persist, sig, index)
         for ck in compiled:

@@ -120,22 +120,10 @@ def default_workers(devices) -> int:
     """Compile processes for :func:`precompile`: ``DFLASH_KERNELS_PRECOMPILE_WORKERS`` when set, else the
     usable cores up to 16 when a device is a GPU (compiling is one core's work per kernel; under torchrun the
     cores divided by ``LOCAL_WORLD_SIZE``), else 0."""
-    env = os.environ.get("DFLASH_KERNELS_PRECOMPILE_WORKERS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"DFLASH_KERNELS_PRECOMPILE_WORKERS: expected a whole number, got {env!r}") from None
-        if n < 0:
-            raise ValueError(f"DFLASH_KERNELS_PRECOMPILE_WORKERS: expected >= 0, got {n}")
-        return n
-    if not any(torch.device(d).type == "cuda" for d in devices):
+    if not os.environ.get("DFLASH_KERNELS_PRECOMPILE_WORKERS", "").strip() and not any(
+            torch.device(d).type == "cuda" for d in devices):
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # Under torchrun every process of the machine precompiles at once: each gets its share of the cores.
-    share = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    local = int(share) if share.isdigit() and int(share) > 0 else 1
-    return max(1, min(cores // local, 16))
+    return settings.process_count("DFLASH_KERNELS_PRECOMPILE_WORKERS", 16)
 
 
 def _parallel_compile(specs, devices, backward, workers, verbose) -> dict:
@@ -163,7 +151,7 @@ def _parallel_compile(specs, devices, backward, workers, verbose) -> dict:
     return {"workers": workers, "seconds": seconds, "compiled": compiled, "errors": errors}
 
 
-_done = set()  # (GPU model, signature entry) compiled by precompile_recorded in this process's lifetime
+_done = set()  # (GPU model, persist name) of launches precompile_recorded compiled in this process
 _model_locks = {}  # GPU model -> the lock a precompile_recorded pass holds (a second call waits for the first)
 _state_lock = threading.Lock()
 
@@ -248,21 +236,13 @@ def precompile_recorded(device=None, workers=None, verbose=True, background=Fals
 
 
 def _precompile_recorded(index, model, workers, verbose, report, tags=None):
-    recorded = tuning.store().entries(index, tuning.SIGNATURE_PREFIX)
-    if tags:
-        recorded = {n: v for n, v in recorded.items() if set(tags) & set(v.get("tags", ()))}
-    kernels = {k.name: k for k in all_kernels()}
-
-    def current(name):
-        kernel, _, rest = name[len(tuning.SIGNATURE_PREFIX):].partition("|")
-        return kernel in kernels and kernels[kernel]._source_hash == rest.partition("|")[0]
-
-    current_entries = {n: v for n, v in recorded.items() if current(n)}
+    recorded, current = kernel_bundle.recorded_launches(index, tags)
     shipped = kernel_bundle.ensure_shipped(index)
-    fresh = {n: v for n, v in current_entries.items() if n[len(tuning.SIGNATURE_PREFIX):] not in shipped}
-    entries = {n: v for n, v in fresh.items() if (model, n) not in _done}
-    report.update(recorded=len(recorded), current=len(current_entries), shipped=len(current_entries) - len(fresh),
+    fresh = {p: v for p, v in current.items() if p not in shipped}
+    entries = {tuning.SIGNATURE_PREFIX + p: v for p, v in fresh.items() if (model, p) not in _done}
+    report.update(recorded=recorded, current=len(current), shipped=len(current) - len(fresh),
                   done_before=len(fresh) - len(entries))
+    kernels = {k.name: k for k in all_kernels()}
     for n in entries:
         persist = n[len(tuning.SIGNATURE_PREFIX):]
         kernel = kernels[persist.partition("|")[0]]
@@ -274,7 +254,7 @@ def _precompile_recorded(index, model, workers, verbose, report, tags=None):
         job = {"device": f"cuda:{index}", "shards": workers, "signatures": entries}
         report["compiled"], report["errors"] = _run_workers(job, workers, verbose, "--signatures")
         if not report["errors"]:
-            _done.update((model, n) for n in entries)
+            _done.update((model, n[len(tuning.SIGNATURE_PREFIX):]) for n in entries)
 
 
 def _run_workers(job, workers, verbose, mode=None):

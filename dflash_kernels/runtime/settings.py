@@ -88,6 +88,24 @@ def set_compile_shard(shard) -> None:
     _compile_shard = None if shard is None else (int(shard[0]), int(shard[1]))
 
 
+def process_count(env: str, cap: int) -> int:
+    """Helper processes to start: ``env`` when set (a whole number >= 0), else the usable cores up to ``cap``,
+    divided among torchrun's processes on this machine (``LOCAL_WORLD_SIZE``)."""
+    text = os.environ.get(env, "").strip()
+    if text:
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError(f"{env}: expected a whole number, got {text!r}") from None
+        if n < 0:
+            raise ValueError(f"{env}: expected >= 0, got {n}")
+        return n
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local = int(share) if share.isdigit() and int(share) > 0 else 1
+    return max(1, min(cores // local, cap))
+
+
 def verbose() -> bool:
     return _env_flag("DFLASH_KERNELS_VERBOSE")
 
