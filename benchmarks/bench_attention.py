@@ -6,13 +6,35 @@ the recomputed QK^T included), so fwd+bwd = ``3.5 * 4 * D * Hq * pairs``. GPU ti
 ``triton.testing.do_bench`` medians; peak memory is the largest allocation above the inputs during
 one call. The mask build is timed on its own (``mask_ms``; flex's ``create_block_mask`` is timed once,
 uncompiled, as trainers rebuild it every step). Called by ``benchmarks/ops.py attention``.
+
+Two more peers, each in a process of its own (a CuteDSL fault, or the patch of torch's code
+generation that ``flex_flash`` applies, costs only that process's rows), on CUDA only:
+
+- ``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``, flash-attn-4 4.0.0b36) with FA4's
+  block-sparse tensors (from ``create_block_mask`` at 128 x 128 blocks, the size FA4's Hopper
+  backward takes; the forward's kv-direction lists, the backward's q-direction lists) plus a CuteDSL
+  ``mask_mod`` of the DFlash mask reading the anchors from an aux tensor.
+- ``flex_flash``: ``torch.compile(flex_attention)`` with ``kernel_options={"BACKEND": "FLASH"}``
+  (inductor generates a CuteDSL mask_mod and calls FA4); torch 2.11's CuteDSL op overrides lack
+  ``minimum``, ``maximum`` and ``index_expr``, added by :func:`patch_torch_cutedsl_ops` first.
+
+Both check their output and gradients against ``block_sparse_attention`` (relative Frobenius error)
+before any timing, and report one ``skipped`` row per shape, not a crash, when FA4 is not installed:
+it is not on the GPU machine's image; ``tools/gpu/peer_kit.sh`` carries and installs it. Run alone:
+``python benchmarks/bench_attention.py [--quick] [--impls fa4,flex_flash]``.
 """
 
+import argparse
 import json
+import os
+import sys
 import time
 
 import torch
-from bench_common import bench_ms, peak_mib
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # dflash_kernels, run as a script
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import bench_ms, peak_mib, run_rows  # noqa: E402
 
 SHAPES = [
     dict(B=4, S=3072, N=512, Hq=32, Hkv=8, D=128, window=None),
@@ -116,6 +138,282 @@ def _bench_shape(s, device, dtype, quick, with_flex):
     return rows
 
 
+# ------------------------------------------------------------------------------ FA4 and flex FLASH
+# FlashAttention-4 and flex's FLASH backend (which calls FA4): each in a process of its own.
+PEER_IMPLS = ("fa4", "flex_flash")
+PEER_TIMEOUT_S = 540  # per process: CuteDSL compiles a forward and a backward per shape
+FA4_BLOCK = (128, 128)  # FA4's Hopper block-sparse backward takes (128, 128) BlockMask blocks
+# Relative Frobenius error against block_sparse_attention above which a peer is not timed (bf16
+# inputs: both sides round P and O to bf16, so a correct peer sits near 1e-2 or below).
+OUT_TOL, GRAD_TOL = 2e-2, 5e-2
+FA4_MISSING = ("FlashAttention-4 (flash_attn.cute, flash-attn-4 4.0.0b36 with nvidia-cutlass-dsl 4.8.1) is "
+               "not importable here; on the GPU machine install the kit .peers_fa4 with "
+               "tools/gpu/peer_kit.sh and put its PYTHONPATH line in the environment")
+
+
+def _fa4_import_error():
+    """None when FA4 can be imported, else why not (the message of the import's exception)."""
+    try:
+        import flash_attn.cute  # noqa: F401
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or cutlass failing to load its libraries
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def _fa4_mask_mod(S, window):
+    """The DFlash mask as an FA4 CuteDSL mask_mod: ``aux_tensors[0]`` holds the anchors, int32 [B, N].
+    Query ``q`` of block ``q // BLOCK`` sees context keys ``kv < anchor`` (and ``kv >= anchor - window``)
+    and the BLOCK keys of its own block at ``S + block * BLOCK``. S, window and BLOCK are compile-time
+    constants (one compile per shape)."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils as fa_utils
+
+    def const(x):
+        return fa_utils.scalar_to_ssa(x, cutlass.Int32)
+
+    if window is None:
+        @cute.jit
+        def dflash_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+            blk = m_idx // const(BLOCK)
+            anchor = const(aux_tensors[0][batch[0], blk[0]])
+            own = (n_idx >= const(S)) & ((n_idx - const(S)) // const(BLOCK) == blk)
+            return (n_idx < anchor) | own
+    else:
+        @cute.jit
+        def dflash_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+            blk = m_idx // const(BLOCK)
+            anchor = const(aux_tensors[0][batch[0], blk[0]])
+            ctx = (n_idx < anchor) & (n_idx >= anchor - const(window))
+            own = (n_idx >= const(S)) & ((n_idx - const(S)) // const(BLOCK) == blk)
+            return ctx | own
+    return dflash_mask
+
+
+def patch_torch_cutedsl_ops() -> list:
+    """Give inductor's CuteDSL op overrides the ops flex's FLASH backend needs for a mask_mod that
+    indexes a captured tensor; returns the names added.
+
+    torch 2.11's ``torch._inductor.codegen.cutedsl.cutedsl_op_overrides.CuteDSLOpOverrides`` has no
+    ``minimum``, ``maximum`` or ``index_expr`` (later torch defines all three on the class: there this
+    adds nothing). What they are here: minimum / maximum as a select on a comparison; index_expr as
+    torch's own later version, a CSE variable of the kernel's printed, renamed index expression,
+    with the index's value bounds, marked a scalar expression that remembers its sympy expression
+    (the attributes the CuteDSL kernel reads to tell index arithmetic from tensor values). The same
+    three ops as SpecForge's ``specforge/torch_compat.py`` backfills for torch 2.11; written here from
+    torch's source, not copied.
+    """
+    try:
+        from torch._inductor.codegen.cutedsl import cutedsl_op_overrides as mod
+    except ImportError:
+        return []
+    cls = mod.CuteDSLOpOverrides
+    if getattr(cls, "_dflash_bench_patched", None) is not None:
+        return cls._dflash_bench_patched
+    own = vars(cls)
+    is_211 = torch.__version__.split("+")[0].startswith("2.11.")
+
+    def minimum(a, b):
+        return cls.where(cls.lt(a, b), a, b)
+
+    def maximum(a, b):
+        return cls.where(cls.gt(a, b), a, b)
+
+    def index_expr(expr, dtype):
+        import sympy
+        from torch._inductor.utils import get_bounds_index_expr
+        from torch._inductor.virtualized import V
+        if isinstance(expr, (int, sympy.Integer)):
+            return cls.constant(int(expr), dtype)
+        kernel = V.kernel
+        text = kernel.kexpr(kernel.rename_indexing(expr))
+        var = kernel.cse.generate(kernel.body, text, bounds=get_bounds_index_expr(expr), dtype=dtype)
+        var.is_scalar_expr = True
+        var.index_expr = V.graph.sizevars.simplify(expr)
+        return var
+
+    added = []
+    for name, fn in (("minimum", minimum), ("maximum", maximum), ("index_expr", index_expr)):
+        if is_211 or name not in own:
+            setattr(cls, name, staticmethod(fn))
+            added.append(name)
+    cls._dflash_bench_patched = added
+    return added
+
+
+def _dist_versions(names, module=None) -> str:
+    """``name==version`` of installed distributions (pip --target keeps their metadata)."""
+    from importlib import metadata
+    got = []
+    for n in names:
+        try:
+            got.append(f"{n}=={metadata.version(n)}")
+        except metadata.PackageNotFoundError:
+            got.append(f"{n}=={getattr(module, '__version__', '?') if module is not None else '?'}")
+    return " ".join(got)
+
+
+def _rel_err(x, ref) -> float:
+    x, ref = x.float(), ref.float()
+    return float(torch.linalg.vector_norm(x - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30))
+
+
+def _peer_setup(impl, s, device, dtype):
+    """Inputs of shape ``s`` (as :func:`_bench_shape` makes them), our output and gradients for the
+    check, and the peer's call ``attn(q, k, v) -> o [B, Tq, Hq, D]``; ``extra`` goes into the row."""
+    from dflash_kernels.ops.attention import block_sparse_attention, dflash_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, S, N, Hq, Hkv, D, W = s["B"], s["S"], s["N"], s["Hq"], s["Hkv"], s["D"], s["window"]
+    Tq, Tk = N * BLOCK, S + N * BLOCK
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.sort(torch.randint(0, S, (B, N), generator=g), dim=1).values.to(device)
+    torch.manual_seed(0)
+    q = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
+    do = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype)
+    mask = dflash_block_mask(anchors, S, BLOCK, window=W)
+    pairs = int(mask.visible_pairs().sum())
+    o_ref = block_sparse_attention(q, k, v, mask)
+    g_ref = torch.autograd.grad(o_ref, (q, k, v), do)
+    o_ref = o_ref.detach()
+    scale = D ** -0.5
+    extra = {}
+    t0 = time.perf_counter()
+    block_mask = create_block_mask(_flex_mask_mod(anchors, S, W), B, None, Tq, Tk, device=device,
+                                   BLOCK_SIZE=FA4_BLOCK)
+    torch.cuda.synchronize()
+    extra["mask_ms"] = (time.perf_counter() - t0) * 1e3  # create_block_mask, uncompiled, as for flex
+    if impl == "fa4":
+        import flash_attn.cute as fa4
+        from flash_attn.cute import flash_attn_func
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        extra["version"] = _dist_versions(("flash-attn-4", "nvidia-cutlass-dsl"), fa4)
+        bm = block_mask
+        fwd_sparse = BlockSparseTensorsTorch(  # forward: per q block, the kv blocks it visits
+            mask_block_cnt=bm.kv_num_blocks, mask_block_idx=bm.kv_indices,
+            full_block_cnt=bm.full_kv_num_blocks, full_block_idx=bm.full_kv_indices, block_size=FA4_BLOCK)
+        bwd_sparse = BlockSparseTensorsTorch(  # backward: per kv block, the q blocks that visit it
+            mask_block_cnt=bm.q_num_blocks, mask_block_idx=bm.q_indices,
+            full_block_cnt=bm.full_q_num_blocks, full_block_idx=bm.full_q_indices, block_size=FA4_BLOCK)
+        aux = anchors.to(torch.int32).contiguous()
+        aux.__leading_dim__ = 1  # FA4's aux-tensor layout hint: the stride-1 mode
+        mask_mod = _fa4_mask_mod(S, W)
+
+        def attn(q_, k_, v_):
+            out = flash_attn_func(q_, k_, v_, softmax_scale=scale, mask_mod=mask_mod, aux_tensors=[aux],
+                                  block_sparse_tensors=fwd_sparse, block_sparse_tensors_bwd=bwd_sparse)
+            return out[0] if isinstance(out, tuple) else out
+    else:  # flex_flash
+        from torch.nn.attention.flex_attention import flex_attention
+        extra["version"] = f"torch=={torch.__version__} " + _dist_versions(("flash-attn-4", "nvidia-cutlass-dsl"))
+        extra["patched_cutedsl_ops"] = ",".join(patch_torch_cutedsl_ops()) or "none"
+        flex = torch.compile(flex_attention)
+        opts = {"BACKEND": "FLASH"}
+
+        def attn(q_, k_, v_):
+            o = flex(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), block_mask=block_mask,
+                     scale=scale, enable_gqa=True, kernel_options=opts)
+            return o.transpose(1, 2)
+    base = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs}
+    return base, extra, (q, k, v, do), (o_ref, g_ref), attn, 4 * D * Hq * pairs
+
+
+def _peer_shape(impl, s, device, dtype, quick) -> dict:
+    """One row: check ``impl`` against block_sparse_attention, then time it (forward; forward +
+    backward through torch.autograd.grad over q, k, v)."""
+    row = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "impl": impl}
+    try:
+        base, extra, (q, k, v, do), (o_ref, g_ref), attn, flops = _peer_setup(impl, s, device, dtype)
+        row = {**base, "impl": impl, **extra}
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            o = attn(q, k, v)  # compiles the forward
+        row["rel_err_out"] = _rel_err(o, o_ref)
+        row["compile_s_fwd"] = time.perf_counter() - t0
+        if not row["rel_err_out"] <= OUT_TOL:  # NaN fails too
+            row["error"] = f"output differs from block_sparse_attention: rel err {row['rel_err_out']:.3g} > {OUT_TOL}"
+            return row
+
+        def fwd():
+            with torch.no_grad():
+                attn(q, k, v)
+
+        row["fwd_ms"] = bench_ms(fwd, quick, True)
+        row["fwd_TFLOPs_eff"] = flops / row["fwd_ms"] * 1e-9
+        try:
+            t0 = time.perf_counter()
+            grads = torch.autograd.grad(attn(q, k, v), (q, k, v), do)  # compiles the backward
+            row["compile_s_bwd"] = time.perf_counter() - t0
+            for name, gx, gr in zip(("dq", "dk", "dv"), grads, g_ref):
+                row[f"rel_err_{name}"] = _rel_err(gx, gr)
+            worst = max(row["rel_err_dq"], row["rel_err_dk"], row["rel_err_dv"])
+            if not worst <= GRAD_TOL:
+                row["error"] = f"gradients differ from block_sparse_attention: rel err {worst:.3g} > {GRAD_TOL}"
+                return row
+
+            def fwd_bwd():
+                torch.autograd.grad(attn(q, k, v), (q, k, v), do)
+
+            row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, True)
+            row["fwdbwd_TFLOPs_eff"] = 3.5 * flops / row["fwdbwd_ms"] * 1e-9
+            row["peak_MiB_fwdbwd"] = peak_mib(fwd_bwd, True)
+        except Exception as e:  # noqa: BLE001 - the forward's timing stays in the row
+            row["error"] = f"backward: {type(e).__name__}: {str(e)[:300]}"
+        torch.cuda.synchronize()  # an asynchronous fault shows in this row
+    except Exception as e:  # noqa: BLE001 - a failing peer is a row, not a crash
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return row
+
+
+def peer_child(impl: str, quick: bool) -> None:
+    """Rows of one peer (``PEER_IMPLS``) at every shape on stdout as ``ROW {json}``; a ``skipped`` row per
+    shape where it cannot run here (no CUDA device, FA4 not installed)."""
+    if impl not in PEER_IMPLS:
+        raise SystemExit(f"unknown attention peer {impl!r}; one of {PEER_IMPLS}")
+    cuda = torch.cuda.is_available()
+    shapes = (SHAPES[:1] if quick else SHAPES) if cuda else [CPU_SHAPE]
+    why = None if cuda else "needs a CUDA GPU (FA4's kernels are CuteDSL for sm_90 / sm_100)"
+    if why is None:
+        err = _fa4_import_error()
+        why = None if err is None else f"{FA4_MISSING} ({err})"
+    if why is None and impl == "flex_flash":
+        try:
+            from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+        except ImportError as e:
+            why = f"this torch has no flex_attention: {e}"
+    for s in shapes:
+        if why is not None:
+            row = {"op": "attention", "shape": _shape_name(s), "impl": impl, "skipped": why}
+        else:
+            print(f"  attention {impl} {_shape_name(s)} ...", flush=True)
+            row = _peer_shape(impl, s, torch.device("cuda"), torch.bfloat16, quick)
+            torch.cuda.empty_cache()
+        print("ROW " + json.dumps(row), flush=True)
+
+
+def _run_peer(impl: str, quick: bool, timeout_s: float) -> list:
+    """``peer_child(impl)`` in a fresh process: its rows, or a row saying how the process ended."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", impl] + (["--quick"] if quick else [])
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("DFLASH_KERNELS_TUNE", "0")  # our op only gives the reference there: no tuning time
+    return run_rows(cmd, "attention", impl, timeout_s, env)
+
+
+def _peer_ratios(rows: list) -> None:
+    """Ours over each peer of the same shape and run: ``fwd_speedup_vs_<impl>``, ``fwdbwd_speedup_vs_<impl>``."""
+    ours = {r["shape"]: r for r in rows if r.get("impl") == "dflash_kernels" and "fwd_ms" in r}
+    for r in rows:
+        o = ours.get(r.get("shape"))
+        if o is None or r.get("impl") not in PEER_IMPLS:
+            continue
+        for key in ("fwd", "fwdbwd"):
+            if f"{key}_ms" in r and f"{key}_ms" in o:
+                o[f"{key}_speedup_vs_{r['impl']}"] = r[f"{key}_ms"] / o[f"{key}_ms"]
+
+
 # The chip's attention ceiling in the same run: dense causal SDPA at 8k x 8k, 32 heads.
 DENSE_SHAPE = dict(B=2, T=8192, H=32, D=128)
 
@@ -154,29 +452,67 @@ def _bench_dense_causal(device, dtype, quick) -> list:
     return rows
 
 
-def run(device, quick: bool) -> list:
-    """Rows for ``benchmarks/ops.py attention``: ours and flex per shape (flex on CUDA only)."""
+ALL_IMPLS = ("dflash_kernels", "flex", "sdpa") + PEER_IMPLS
+
+
+def run(device, quick: bool, impls=None, peer_timeout_s: float = PEER_TIMEOUT_S) -> list:
+    """Rows for ``benchmarks/ops.py attention``: ours and flex per shape (flex on CUDA only), the dense
+    SDPA rows, then FA4 and flex's FLASH backend, each in a process of its own (CUDA only). ``impls``:
+    a subset of ``ALL_IMPLS`` (default all); a peer's check runs our op in its own process either way."""
     device = torch.device(device)
+    impls = set(ALL_IMPLS if not impls else impls)
+    unknown = impls - set(ALL_IMPLS)
+    if unknown:
+        raise SystemExit(f"unknown attention implementation(s) {sorted(unknown)}; of {ALL_IMPLS}")
     if device.type == "cuda":
         shapes, dtype = (SHAPES[:1] if quick else SHAPES), torch.bfloat16
     else:
         shapes, dtype = [CPU_SHAPE], torch.float32
     rows = []
-    for s in shapes:
-        new = _bench_shape(s, device, dtype, quick, with_flex=device.type == "cuda")
-        for r in new:  # as soon as measured: a run cut short by a time limit keeps its rows in the log
-            print("ROW", json.dumps(r), flush=True)
-        rows += new
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if device.type == "cuda":
+    if "dflash_kernels" in impls or "flex" in impls:
+        for s in shapes:
+            new = _bench_shape(s, device, dtype, quick, with_flex=device.type == "cuda" and "flex" in impls)
+            if "dflash_kernels" not in impls:
+                new = [r for r in new if r["impl"] != "dflash_kernels"]
+            for r in new:  # as soon as measured: a run cut short by a time limit keeps its rows in the log
+                print("ROW", json.dumps(r), flush=True)
+            rows += new
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if device.type == "cuda" and "sdpa" in impls:
         for r in _bench_dense_causal(device, dtype, quick):
             print("ROW", json.dumps(r), flush=True)
             rows.append(r)
+    for impl in PEER_IMPLS:
+        if impl not in impls:
+            continue
+        if device.type != "cuda":  # said once, not run: FA4 is CuteDSL for Hopper / Blackwell
+            print(f"  attention {impl}: skipped (needs a CUDA GPU)", flush=True)
+            continue
+        print(f"attention: {impl} (a process of its own, {peer_timeout_s:.0f} s limit)", flush=True)
+        new = _run_peer(impl, quick, peer_timeout_s)
+        for r in new:
+            print("ROW", json.dumps(r), flush=True)
+        rows += new
+    _peer_ratios(rows)
     return rows
 
 
-if __name__ == "__main__":
-    import sys
-    for r in run("cuda" if torch.cuda.is_available() else "cpu", quick="--quick" in sys.argv):
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the first shape only, fewer repetitions")
+    parser.add_argument("--impls", default="", help=f"comma-separated subset of {', '.join(ALL_IMPLS)} (default all)")
+    parser.add_argument("--timeout", type=float, default=PEER_TIMEOUT_S,
+                        help="seconds each peer process (fa4, flex_flash) may run")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # one peer's rows on stdout
+    args = parser.parse_args(argv)
+    if args.child:
+        peer_child(args.child, args.quick)
+        return
+    impls = [i for i in args.impls.split(",") if i] or None
+    for r in run("cuda" if torch.cuda.is_available() else "cpu", args.quick, impls, args.timeout):
         print(r)
+
+
+if __name__ == "__main__":
+    main()

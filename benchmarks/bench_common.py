@@ -1,5 +1,8 @@
-"""Timing and memory helpers shared by every benchmark script."""
+"""Timing, memory and process helpers shared by every benchmark script."""
 
+import json
+import subprocess
+import threading
 import time
 
 import torch
@@ -33,3 +36,35 @@ def peak_mib(fn, cuda: bool = True) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
+def run_rows(cmd, op: str, impl: str, timeout_s: float, env=None) -> list:
+    """Run an implementation's process (``cmd``), echoing its output, and return the rows it printed as
+    ``ROW {json}`` lines, each tagged ``process: impl``; plus one error row when it was killed at
+    ``timeout_s`` or exited non-zero, with the end of its output."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    timed_out = []
+    timer = threading.Timer(timeout_s, lambda: (timed_out.append(True), proc.kill()))
+    timer.start()
+    rows, tail = [], []
+    try:
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith("ROW "):
+                rows.append(json.loads(line[4:]))
+            else:
+                tail = (tail + [line])[-8:]
+            print(f"  [{impl}] {line[:400]}", flush=True)
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    secs = time.perf_counter() - t0
+    for r in rows:
+        r["process"] = impl
+    if timed_out or rc != 0:
+        how = f"process killed at the {timeout_s:.0f} s limit" if timed_out else f"process exited with {rc}"
+        rows.append({"op": op, "impl": impl, "process": impl,
+                     "error": f"{how} after {secs:.0f} s; last output: {' | '.join(tail)[-300:]}"})
+    print(f"  [{impl}] done in {secs:.0f} s, rc={rc}", flush=True)
+    return rows

@@ -258,42 +258,9 @@ def _child_env(impl: str) -> dict:
 
 def _run_child(impl: str, quick: bool, timeout_s: float) -> list:
     """Run ``conv_child(impl)`` in a fresh process; its rows, or one error row saying how it ended."""
-    import subprocess
-    import threading
+    from bench_common import run_rows
     cmd = [sys.executable, os.path.abspath(__file__), "conv", "--child", impl] + (["--quick"] if quick else [])
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_child_env(impl))
-    timed_out = []
-
-    def kill():
-        timed_out.append(True)
-        proc.kill()
-    timer = threading.Timer(timeout_s, kill)
-    timer.start()
-    rows, tail = [], []
-    try:
-        for line in proc.stdout:
-            line = line.rstrip("\n")
-            if line.startswith("ROW "):
-                rows.append(json.loads(line[4:]))
-                print(f"  [{impl}] {line[4:][:400]}", flush=True)
-            else:
-                tail = (tail + [line])[-8:]
-                print(f"  [{impl}] {line[:400]}", flush=True)
-        rc = proc.wait()
-    finally:
-        timer.cancel()
-    secs = time.perf_counter() - t0
-    for r in rows:
-        r["process"] = impl
-    if timed_out:
-        rows.append({"op": "conv", "impl": impl, "process": impl,
-                     "error": f"process killed at the {timeout_s:.0f} s limit; last output: {' | '.join(tail)[-300:]}"})
-    elif rc != 0:
-        rows.append({"op": "conv", "impl": impl, "process": impl,
-                     "error": f"process exited with {rc} after {secs:.0f} s: {' | '.join(tail)[-300:]}"})
-    print(f"  [{impl}] done in {secs:.0f} s, rc={rc}", flush=True)
-    return rows
+    return run_rows(cmd, "conv", impl, timeout_s, _child_env(impl))
 
 
 def _conv_ratios(rows: list):
