@@ -15,7 +15,7 @@ from dflash_kernels.ops.attention import causal_block_mask, dflash_block_mask, f
 from dflash_kernels.ops.attention.attention import attention_fwd
 from dflash_kernels.ops.attention.kernels_sm90 import attention_fwd_sm90, block_sparse_attn_fwd_sm90
 from dflash_kernels.ops.attention.naive import masked_block_sparse_attention, naive_dense_mask
-from tests.helpers import device, rel_err, slow_param, worst_row_err
+from tests.helpers import device, rel_err, worst_row_err
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DEVICE = device()
@@ -149,11 +149,7 @@ def test_nonfinite_context_key_reaches_only_later_anchors():
     _confined(mask, q, k, v, bad_keys=(70,), value=float("nan"))
 
 
-def _candidate_cases():
-    return [slow_param(i, id=f"config{i}", slow=i > 0) for i in range(len(block_sparse_attn_fwd_sm90.configs))]
-
-
-@pytest.mark.parametrize("index", _candidate_cases())
+@pytest.mark.parametrize("index", range(len(block_sparse_attn_fwd_sm90.configs)), ids=lambda i: f"config{i}")
 def test_every_candidate(monkeypatch, index):
     """Candidate ``index`` (BN, GPB, STAGES) as the only config, also as the interpreted one, at a DFlash mask
     with a window and odd lengths: the tile widths the GPU may pick, under the interpreter too."""
