@@ -185,10 +185,12 @@ def attention_fwd_sm90(q, k, v, segments, seg_count, tiles, q_block, tile_width,
 
 # The portable forward's row tilings (GPB groups of BM rows; BM = 64 at the DFlash shape, 16 positions x 4
 # heads), each with the pipeline depth of the unmasked loop (STAGES; num_stages, the launch option, is the
-# same so that no other loop takes a different default). One warpgroup per 64 rows: warpgroup MMAs are 64
-# rows tall. Deeper pipelines at BN = 64, where a stage (a K and a V box) is small; at BN = 128 and D = 128
-# three stages of K and V take 192 KiB of the 227 KiB of shared memory.
+# same so that no other loop takes a different default). Warpgroup MMAs are 64 rows tall: 4 warps per 64
+# rows, or 8 warps splitting the tile's columns, which halves each thread's share of the scores and of the
+# accumulator: at BN = 128 that is what keeps the masked tiles from spilling heavily at D = 128
+# (python -m tools.studies.sm90_resources attention_sm90). Deeper pipelines at BN = 64, where a stage (a K and
+# a V box) is small; at BN = 128 and D = 128 two stages take 144 KiB of the 227 KiB of shared memory.
 _configs = [Config(BN=bn, GPB=gpb, STAGES=st, num_warps=w, num_stages=st) for bn, gpb, st, w in (
-    (64, 1, 3, 4), (64, 1, 4, 4), (128, 1, 2, 4), (64, 2, 3, 8), (64, 2, 4, 8), (128, 2, 2, 8))]
+    (64, 1, 3, 4), (64, 1, 4, 4), (64, 1, 3, 8), (128, 1, 2, 8), (64, 2, 3, 8), (64, 2, 4, 8), (128, 2, 2, 8))]
 block_sparse_attn_fwd_sm90 = TritonKernel(_attention_fwd_sm90_kernel, name="block_sparse_attn_fwd_sm90",
                                           configs=_configs, interpret_config=Config(BN=16, GPB=2, STAGES=2))
