@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import triton
 
 from dflash_kernels.ops.attention import causal_block_mask, dflash_block_mask, from_flex_block_mask
 from dflash_kernels.ops.attention.attention import attention_fwd
@@ -166,3 +167,28 @@ def test_every_candidate(monkeypatch, index):
         assert used and all(c == config.as_dict() for c in used)
     finally:
         block_sparse_attn_fwd_sm90.reset()
+
+
+def test_scratch_allocator_is_installed_in_the_launching_context_only_when_none_is():
+    """The in-kernel descriptors need Triton's global-scratch allocator in the launching thread's context:
+    installed when none is, a user's own kept. Run in fresh contexts, so the test leaves none behind."""
+    import contextvars
+
+    from triton.runtime import _allocation
+
+    from dflash_kernels.ops.attention import kernels_sm90
+
+    def fresh():
+        assert isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+        kernels_sm90._ensure_scratch_allocator()
+        return _allocation._allocator.get()
+
+    def users():
+        def own(size, alignment, stream):
+            raise AssertionError("not called here")
+        triton.set_allocator(own)
+        kernels_sm90._ensure_scratch_allocator()
+        return _allocation._allocator.get() is own
+
+    assert contextvars.Context().run(fresh) is kernels_sm90._scratch
+    assert contextvars.Context().run(users)
