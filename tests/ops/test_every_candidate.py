@@ -118,6 +118,17 @@ def _attention(size, dtype):
     check_against_reference(q, k, v, do, mask, dtype, dense=dense)
 
 
+def _attention_fwd_sm90(size, dtype):
+    """The Hopper forward through its launcher (the op's dispatch does not choose it), o and lse."""
+    from tests.ops.test_attention_sm90 import _check, _dflash_mask, _inputs
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the sm_90 forward needs compute capability >= 9.0")
+    B, S, N, Hq, Hkv, window = (1, 2048, 128, 8, 2, None) if size == "real" else (1, 1001, 37, 6, 2, 333)
+    mask = _dflash_mask(B, S, N, window)
+    _check(*_inputs(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype), mask, dtype)
+
+
 def _conv1d(size, dtype):
     from tests.ops.test_conv1d import _inputs, _run_both, _tol
 
@@ -329,6 +340,7 @@ _GDN_CHUNK = ["gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_out
 DRIVERS = {
     **{n: _attention for n in ("block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv",
                                "block_sparse_attn_bwd_pre", "mask_rev_count", "mask_rev_fill")},
+    "block_sparse_attn_fwd_sm90": _attention_fwd_sm90,
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
        + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},

@@ -1,6 +1,6 @@
 """Shared memory, registers and register spills of the library's tuning candidates on sm_90, without a GPU.
 
-    python -m tools.studies.sm90_resources [attention|gdn|conv ...]
+    python -m tools.studies.sm90_resources [attention|attention_sm90|gdn|conv ...]
 
 Each candidate config of a kernel is compiled for Hopper (sm_90) with Triton's own toolchain
 (ptxas, cuobjdump ship with the triton wheel) at the DFlash training step's shapes (each ``*_cases``
@@ -96,6 +96,19 @@ def attention_cases():
             yield name, kern.fn, types, {**base, **extra, **c.meta}, c
 
 
+def attention_sm90_cases():
+    """The Hopper forward (kernels_sm90.py) at the DFlash training mask: block 16, 4 query heads per kv head,
+    bf16, D = 128 and D = 64 (BM = 64 rows: 16 positions x 4 heads)."""
+    from dflash_kernels.ops.attention import kernels_sm90 as K
+    kern = K.block_sparse_attn_fwd_sm90
+    params = inspect.signature(kern.fn.fn).parameters
+    types = _types(params, fp32=("lse",), i32=("segments", "seg_count"), u8=("tiles",), scalars_fp32=("qk_scale",))
+    for D in (128, 64):
+        base = dict(D=D, G=4, GH=4, BQ=16, BM=64, TW=1, HAS_TILES=False, DOT_PREC="tf32")
+        for c in kern.configs:
+            yield f"attn_fwd_sm90 D{D}", kern.fn, types, {**base, **c.meta}, c
+
+
 def gdn_cases():
     """Qwen3.5 GDN: Hk = 16, Hv = 48, K = V = 128, bf16, chunk 64."""
     from dflash_kernels.ops.gated_delta_rule import kernels_bwd as KB
@@ -132,11 +145,13 @@ def conv_cases():
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ops", nargs="*", default=["attention", "gdn", "conv"], help="attention, gdn and/or conv")
+    parser.add_argument("ops", nargs="*", default=["attention", "gdn", "conv"],
+                        help="attention, attention_sm90 (the Hopper forward), gdn and/or conv")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("sm90_resources: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
-    cases = {"attention": attention_cases, "gdn": gdn_cases, "conv": conv_cases}
+    cases = {"attention": attention_cases, "attention_sm90": attention_sm90_cases, "gdn": gdn_cases,
+             "conv": conv_cases}
     for op in args.ops:
         if op not in cases:
             raise SystemExit(f"sm90_resources: unknown op {op!r}; choose from {sorted(cases)}")
