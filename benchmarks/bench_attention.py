@@ -68,8 +68,10 @@ def _measure(row, fwd, fwd_bwd, flops, quick, device):
     row["peak_MiB_fwdbwd"] = peak_mib(fwd_bwd, device.type == "cuda")
 
 
-def _bench_shape(s, device, dtype, quick, with_flex):
-    from dflash_kernels.ops.attention import block_sparse_attention, dflash_block_mask
+def _shape_inputs(s, device, dtype):
+    """Anchors, q, k, v (with gradients), do, the DFlash mask and its visible pairs at shape ``s``: the same
+    for ours and every peer."""
+    from dflash_kernels.ops.attention import dflash_block_mask
 
     B, S, N, Hq, Hkv, D, W = s["B"], s["S"], s["N"], s["Hq"], s["Hkv"], s["D"], s["window"]
     Tq, Tk = N * BLOCK, S + N * BLOCK
@@ -77,12 +79,21 @@ def _bench_shape(s, device, dtype, quick, with_flex):
     # Sorted, as a trainer samples anchor positions along a sequence. (Our kernels do the same work
     # either way; flex's 128-row tiles mix blocks of distant anchors when they are unsorted.)
     anchors = torch.sort(torch.randint(0, S, (B, N), generator=g), dim=1).values.to(device)
+    torch.manual_seed(0)
     q = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
     do = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype)
     mask = dflash_block_mask(anchors, S, BLOCK, window=W)
-    pairs = int(mask.visible_pairs().sum())
+    return anchors, q, k, v, do, mask, int(mask.visible_pairs().sum())
+
+
+def _bench_shape(s, device, dtype, quick, with_flex):
+    from dflash_kernels.ops.attention import block_sparse_attention, dflash_block_mask
+
+    B, S, N, Hq, D, W = s["B"], s["S"], s["N"], s["Hq"], s["D"], s["window"]
+    Tq, Tk = N * BLOCK, S + N * BLOCK
+    anchors, q, k, v, do, mask, pairs = _shape_inputs(s, device, dtype)
     flops = 4 * D * Hq * pairs
     base = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs}
 
@@ -262,20 +273,12 @@ def _rel_err(x, ref) -> float:
 def _peer_setup(impl, s, device, dtype):
     """Inputs of shape ``s`` (as :func:`_bench_shape` makes them), our output and gradients for the
     check, and the peer's call ``attn(q, k, v) -> o [B, Tq, Hq, D]``; ``extra`` goes into the row."""
-    from dflash_kernels.ops.attention import block_sparse_attention, dflash_block_mask
+    from dflash_kernels.ops.attention import block_sparse_attention
     from torch.nn.attention.flex_attention import create_block_mask
 
-    B, S, N, Hq, Hkv, D, W = s["B"], s["S"], s["N"], s["Hq"], s["Hkv"], s["D"], s["window"]
+    B, S, N, Hq, D, W = s["B"], s["S"], s["N"], s["Hq"], s["D"], s["window"]
     Tq, Tk = N * BLOCK, S + N * BLOCK
-    g = torch.Generator().manual_seed(0)
-    anchors = torch.sort(torch.randint(0, S, (B, N), generator=g), dim=1).values.to(device)
-    torch.manual_seed(0)
-    q = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(B, Tk, Hkv, D, device=device, dtype=dtype, requires_grad=True)
-    do = torch.randn(B, Tq, Hq, D, device=device, dtype=dtype)
-    mask = dflash_block_mask(anchors, S, BLOCK, window=W)
-    pairs = int(mask.visible_pairs().sum())
+    anchors, q, k, v, do, mask, pairs = _shape_inputs(s, device, dtype)
     o_ref = block_sparse_attention(q, k, v, mask)
     g_ref = torch.autograd.grad(o_ref, (q, k, v), do)
     o_ref = o_ref.detach()

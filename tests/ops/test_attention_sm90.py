@@ -14,7 +14,7 @@ import triton
 
 from dflash_kernels.ops.attention import causal_block_mask, dflash_block_mask, from_flex_block_mask
 from dflash_kernels.ops.attention.attention import attention_fwd
-from dflash_kernels.ops.attention.kernels_sm90 import attention_fwd_sm90, block_sparse_attn_fwd_sm90
+from dflash_kernels.ops.attention.kernels_sm90 import attention_fwd_sm90
 from dflash_kernels.ops.attention.naive import masked_block_sparse_attention, naive_dense_mask
 from tests.helpers import device, rel_err, worst_row_err
 
@@ -150,23 +150,7 @@ def test_nonfinite_context_key_reaches_only_later_anchors():
     _confined(mask, q, k, v, bad_keys=(70,), value=float("nan"))
 
 
-@pytest.mark.parametrize("index", range(len(block_sparse_attn_fwd_sm90.configs)), ids=lambda i: f"config{i}")
-def test_every_candidate(monkeypatch, index):
-    """Candidate ``index`` (BN, GPB, STAGES) as the only config, also as the interpreted one, at a DFlash mask
-    with a window and odd lengths: the tile widths the GPU may pick, under the interpreter too."""
-    config = block_sparse_attn_fwd_sm90.configs[index]
-    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
-    monkeypatch.setattr(block_sparse_attn_fwd_sm90, "configs", [config])
-    monkeypatch.setattr(block_sparse_attn_fwd_sm90, "interpret_config", config)
-    block_sparse_attn_fwd_sm90.reset()
-    try:
-        B, S, N, Hq, Hkv = 1, 301, 5, 8, 2
-        mask = _dflash_mask(B, S, N, window=133, seed=index)
-        _check(*_inputs(B, N * 16, S + N * 16, Hq, Hkv, 128, torch.bfloat16), mask, torch.bfloat16)
-        used = [e["config"] for e in block_sparse_attn_fwd_sm90.cache_info().values()]
-        assert used and all(c == config.as_dict() for c in used)
-    finally:
-        block_sparse_attn_fwd_sm90.reset()
+# Every candidate config, alone (GPU and interpreter): tests/ops/test_every_candidate.py, through its driver.
 
 
 def test_scratch_allocator_is_installed_in_the_launching_context_only_when_none_is():

@@ -122,9 +122,10 @@ def _attention_fwd_sm90(size, dtype):
     """The Hopper forward through its launcher (the op's dispatch does not choose it), o and lse."""
     from tests.ops.test_attention_sm90 import _check, _dflash_mask, _inputs
 
-    if torch.cuda.get_device_capability()[0] < 9:
+    if size != "interpret" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the sm_90 forward needs compute capability >= 9.0")
-    B, S, N, Hq, Hkv, window = (1, 2048, 128, 8, 2, None) if size == "real" else (1, 1001, 37, 6, 2, 333)
+    B, S, N, Hq, Hkv, window = {"real": (1, 2048, 128, 8, 2, None), "odd": (1, 1001, 37, 6, 2, 333),
+                                "interpret": (1, 301, 5, 8, 2, 133)}[size]
     mask = _dflash_mask(B, S, N, window)
     _check(*_inputs(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype), mask, dtype)
 
@@ -414,7 +415,7 @@ def test_candidate(monkeypatch, name, index, size):
 
 # Kernels whose drivers also run under the CPU interpreter (size "interpret": small, odd). The default run
 # takes each kernel's first config (what an untuned run launches); -m slow the others.
-INTERPRETED = sorted(n for n in KERNELS if n.startswith("rms_norm_"))
+INTERPRETED = sorted(n for n in KERNELS if n.startswith("rms_norm_")) + ["block_sparse_attn_fwd_sm90"]
 INTERPRETED_CASES = [slow_param(name, i, id=f"{name}[{i}]-interpret", slow=i > 0)
                      for name in INTERPRETED for i in range(len(KERNELS[name].configs))]
 

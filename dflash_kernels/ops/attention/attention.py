@@ -44,13 +44,15 @@ def _common(q, k, segments, q_block, tile_width, tiles):
     return B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta
 
 
-def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale):
-    """Launch the forward. Inputs contiguous ``[B, T, H, D]``; returns ``o`` like q and lse fp32 ``[B, Hq, Tq]``."""
+def attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale, kernel=None):
+    """Launch the forward. Inputs contiguous ``[B, T, H, D]``; returns ``o`` like q and lse fp32 ``[B, Hq, Tq]``.
+    ``kernel``: a forward kernel of the portable one's arguments (default: the portable one; the Hopper
+    forward in kernels_sm90.py launches through here)."""
     B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta = _common(q, k, segments, q_block, tile_width, tiles)
     o = alloc.empty_like(q)
     lse = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     NC = G // meta["GH"]
-    attention_fwd_kernel(
+    (attention_fwd_kernel if kernel is None else kernel)(
         lambda m: (cdiv(NG, m["GPB"]) * B * Hkv * NC,), q, k, v, o, lse, segments, seg_count, tiles,
         Tq, Tk, NG, MS, MB, Hq, Hkv, B * Hkv * NC,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from dflash_kernels.ops.attention.kernels import (LN2, _poison_seen, _program_rows, _row_program, _segment_plan,
                                                   _visible)
-from dflash_kernels.runtime import Config, TritonKernel, alloc, bucket, cdiv
+from dflash_kernels.runtime import Config, TritonKernel
 
 __all__ = ["attention_fwd_sm90", "block_sparse_attn_fwd_sm90"]
 
@@ -164,23 +164,14 @@ def attention_fwd_sm90(q, k, v, segments, seg_count, tiles, q_block, tile_width,
     """The Hopper forward; the arguments and returns of ``attention.attention_fwd``: inputs contiguous
     ``[B, T, H, D]``, returns ``o`` like q and lse fp32 ``[B, Hq, Tq]`` (natural log)."""
     # attention.py is imported here, not at the top: its dispatch is the one that will import this module.
-    from dflash_kernels.ops.attention.attention import LOG2E, _common
+    from dflash_kernels.ops.attention.attention import attention_fwd
 
-    B, Tq, Tk, Hq, Hkv, G, MB, NG, MS, meta = _common(q, k, segments, q_block, tile_width, tiles)
-    o = alloc.empty_like(q)
-    lse = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     if q.is_cuda:
         _check_tma_operand("k", k)
         _check_tma_operand("v", v)
         _ensure_scratch_allocator()
-    NC = G // meta["GH"]
-    block_sparse_attn_fwd_sm90(
-        lambda m: (cdiv(NG, m["GPB"]) * B * Hkv * NC,), q, k, v, o, lse, segments, seg_count, tiles,
-        Tq, Tk, NG, MS, MB, Hq, Hkv, B * Hkv * NC,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        scale * LOG2E, bucket=(bucket(Tq), bucket(Tk)), **meta)
-    return o, lse
+    return attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale,
+                         kernel=block_sparse_attn_fwd_sm90)
 
 
 # The portable forward's row tilings (GPB groups of BM rows; BM = 64 at the DFlash shape, 16 positions x 4
