@@ -97,8 +97,8 @@ def run_op(op: str, s: dict, dev):
     else:
         raise ValueError(f"--ops: unknown op {op!r}; choose from {sorted(CASES)}")
 
-    def bwd(out):
-        return torch.autograd.grad(out.float().sum(), ins)
+    def bwd(out):  # a dense upstream gradient, as a training step's loss sends back
+        return torch.autograd.grad(out, ins, torch.randn_like(out))
     return fwd, bwd
 
 

@@ -38,7 +38,8 @@ __all__ = ["main", "parse_op"]
 
 PRESETS = ("real", "embedded", "27b", "ops")
 
-# ``--preset ops``: the shapes ``benchmarks/ops.py`` times ours at (bf16, forward and backward), run as specs.
+# ``--preset ops``: the shapes ``benchmarks/ops.py`` times ours at and ``benchmarks/first_call.py``'s covered shapes
+# (bf16, forward and backward), run as specs.
 _ATTN = dict(S=3072, N=512, Hq=32, Hkv=8, D=128)
 _GDN = dict(Hk=16, K=128, V=128)
 OP_SHAPES = (
@@ -50,6 +51,7 @@ OP_SHAPES = (
     + [("linear_cross_entropy", dict(N=8192, H=2560, V=248320)),
        ("linear_cross_entropy", dict(N=8192, H=2560, V=248320, weights=False, argmax=False)),  # the op's defaults
        ("linear_cross_entropy", dict(N=16384, H=5120, V=248320))]
+    + [("rms_norm", dict(N=3072, D=2560)), ("swiglu", dict(N=3072, C=9728, packed=True))]
 )
 
 
@@ -99,7 +101,8 @@ def parse_args(argv=None):
                         "GPU architecture, Triton and driver version) into Triton's cache folder, first")
     p.add_argument("--export-kernels", default=None, metavar="FILE",
                    help="last, write the compiled kernels of this GPU model's recorded launches (of --preset's tags "
-                        "when given) to FILE ('shipped': the package's own bundle for this machine)")
+                        "when given) to FILE ('shipped': the package's own bundle for this machine, which keeps the "
+                        "kernels of the other GPU models of its architecture)")
     p.add_argument("--run", default=None, help="--export-kernels: the run that recorded the launches, for the manifest")
     args = p.parse_args(argv)
     if not (args.preset or args.op or args.list or args.import_kernels or args.export_kernels):
@@ -195,12 +198,17 @@ def main(argv=None) -> int:
         if dev.type != "cuda":
             print(f"--export-kernels: nothing compiled on {where}", file=sys.stderr)
             return 2
-        path = args.export_kernels
-        if path == "shipped":
+        # The shipped bundle holds every GPU model of its architecture: this model's entry is replaced.
+        path, merge = args.export_kernels, args.export_kernels == "shipped"
+        if merge:
             path = os.path.join(kernel_bundle.SHIPPED_DIR, kernel_bundle.bundle_name(kernel_bundle.bundle_key(dev)))
-        m = kernel_bundle.export(path, dev, tags=tags or None, run=args.run)
-        print(f"--export-kernels: wrote {path}: {m['kernels']} kernels of {len(m['signatures'])} recorded launches, "
-              f"{m['host_modules']} host modules, {os.path.getsize(path) / 2**20:.1f} MiB")
+        m = kernel_bundle.export(path, dev, tags=tags or None, run=args.run, merge=merge)
+        gpu = kernel_bundle.gpu_model(dev)
+        this, others = m["models"][gpu], sorted(set(m["models"]) - {gpu})
+        print(f"--export-kernels: wrote {path}: {this['kernels']} kernels of {len(this['signatures'])} recorded "
+              f"launches on this GPU model" + (f" (kept: {', '.join(others)}'s)" if others else "")
+              + f"; {m['kernels']} kernels, {m['host_modules']} host modules in all, "
+              f"{os.path.getsize(path) / 2**20:.1f} MiB")
     return status
 
 

@@ -9,6 +9,10 @@ with the C compiler (the launchers, one per argument signature, and ``cuda_utils
 
 - :func:`export` writes a bundle of this machine's compiled kernels; :func:`install` copies a bundle's entries
   into the cache folder (entries already there are left alone).
+- One bundle serves every GPU model of its architecture (the H100 and the H200 are both ``sm_90``): an export
+  with ``merge`` adds this model's kernels to those already in the file, and the manifest lists, per GPU model,
+  the launches recorded and compiled on it (``models``), since the tuned configs, and so the kernels, of one
+  launch may differ between models.
 - The package ships bundles in ``runtime/compiled/``; :func:`ensure_shipped` installs the one made for this GPU
   before the process's first compile on it. A bundle is used only where its architecture (``sm_90``), Triton
   version and CUDA driver version equal this machine's; inside it, an entry of an edited kernel is never
@@ -30,11 +34,20 @@ import triton
 
 from dflash_kernels.runtime import settings, tuning
 
-__all__ = ["bundle_key", "bundle_name", "export", "install", "ensure_shipped", "installed_signatures"]
+__all__ = ["bundle_key", "bundle_name", "gpu_model", "export", "install", "ensure_shipped", "installed_signatures",
+           "model_signatures"]
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compiled")
 MANIFEST = "MANIFEST.json"
-FORMAT = 1
+FORMAT = 2  # 2: per-model entries under "models"; 1: one model, its "gpu", "run" and "signatures" at the top
+
+
+def model_signatures(manifest: dict, gpu: str) -> list:
+    """The persist names of the launches whose kernels ``manifest``'s bundle holds for GPU model ``gpu`` (the
+    device name, as ``torch.cuda.get_device_name`` gives it); none for a model it was not made on."""
+    if "models" in manifest:
+        return list(manifest["models"].get(gpu, {}).get("signatures", ()))
+    return list(manifest.get("signatures", ())) if manifest.get("gpu") == gpu else []
 
 
 def _driver_cuda() -> str:
@@ -55,6 +68,11 @@ def bundle_key(device) -> dict:
     """What a bundle must match to be used on ``device``: architecture, Triton version, the driver's CUDA version."""
     major, minor = torch.cuda.get_device_capability(torch.device(device))
     return {"arch": f"sm_{major}{minor}", "triton": triton.__version__, "cuda_driver": _driver_cuda()}
+
+
+def gpu_model(device) -> str:
+    """The GPU model a bundle's per-model entries are keyed by: the device name (``NVIDIA H100 80GB HBM3``)."""
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def bundle_name(key: dict) -> str:
@@ -86,10 +104,13 @@ def recorded_launches(device, tags=None) -> tuple:
     return len(recorded), current
 
 
-def export(path: str, device=None, tags=None, run: str = None) -> dict:
+def export(path: str, device=None, tags=None, run: str = None, merge: bool = False) -> dict:
     """Write a bundle of the compiled kernels of every recorded launch of this GPU model (of the current kernel
     sources; with ``tags``, only those recorded under one of them) to ``path``: the configs the tuning store
     holds for each (compiling any that is missing), and every host module in Triton's cache folder.
+
+    ``merge``: where ``path`` already holds a bundle for this machine's key, keep its files and its other GPU
+    models' entries, and replace this model's (a bundle for another key is replaced whole).
 
     Returns the manifest written."""
     import dflash_kernels  # noqa: F401 - defines every op's kernels
@@ -109,7 +130,6 @@ def export(path: str, device=None, tags=None, run: str = None) -> dict:
         if compiled:
             covered.append(persist)
     root = _cache_root()
-    launchers = 0
     for entry in sorted(os.listdir(root)):
         folder = os.path.join(root, entry)
         if not os.path.isdir(folder):
@@ -118,13 +138,41 @@ def export(path: str, device=None, tags=None, run: str = None) -> dict:
         if len(names) == 1 and names[0].endswith(".so"):  # a host module: a launcher, cuda_utils
             with open(os.path.join(folder, names[0]), "rb") as f:
                 files[f"{entry}/{names[0]}"] = f.read()
-            launchers += 1
-    manifest = dict(bundle_key(dev), format=FORMAT, gpu=torch.cuda.get_device_name(dev), python=sys.version.split()[0],
-                    created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), run=run,
-                    tags=sorted(tags) if tags else None, kernels=sum(n.endswith(".cubin") for n in files),
-                    host_modules=launchers, signatures=covered)
+    entry = dict(run=run, created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 tags=sorted(tags) if tags else None, kernels=sum(n.endswith(".cubin") for n in files),
+                 signatures=covered)
+    return write_bundle(path, bundle_key(dev), gpu_model(dev), entry, files, merge)
+
+
+def write_bundle(path: str, key: dict, gpu: str, entry: dict, files: dict, merge: bool = False) -> dict:
+    """Pack ``files`` as the bundle of machine ``key`` with ``entry`` (run, created, tags, kernels, signatures)
+    for GPU model ``gpu``; with ``merge``, an existing bundle at ``path`` for the same key keeps its files and
+    its other models' entries. Returns the manifest written."""
+    models = {}
+    if merge and os.path.exists(path):
+        old_manifest, old_files = unpack(path)
+        if all(old_manifest.get(k) == v for k, v in key.items()):
+            models = _models(old_manifest)
+            files = {**old_files, **files}
+    models[gpu] = entry
+    manifest = dict(key, format=FORMAT, python=sys.version.split()[0], kernels=sum(n.endswith(".cubin") for n in files),
+                    host_modules=sum(n.endswith(".so") for n in files), models=dict(sorted(models.items())))
     pack(path, manifest, files)
     return manifest
+
+
+def _models(manifest: dict) -> dict:
+    """A manifest's per-model entries (a format-1 manifest's single model made one)."""
+    if "models" in manifest:
+        return dict(manifest["models"])
+    return {manifest["gpu"]: {n: manifest.get(n) for n in ("run", "created", "tags", "kernels", "signatures")}}
+
+
+def unpack(path: str) -> tuple:
+    """``(manifest, files)`` of a bundle, as :func:`pack` takes them."""
+    with tarfile.open(path, "r:xz") as tar:
+        files = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    return json.loads(files.pop(MANIFEST)), files
 
 
 def entry_files(compiled) -> dict:
@@ -241,14 +289,16 @@ def ensure_shipped(device) -> set:
             try:
                 with open(path, "rb") as f:
                     digest = hashlib.sha256(f.read()).hexdigest()[:16]
-                marker = os.path.join(root, f".dflash_kernels-shipped-{digest}.json")
+                gpu = gpu_model(dev)
+                model = hashlib.sha256(gpu.encode()).hexdigest()[:8]
+                marker = os.path.join(root, f".dflash_kernels-shipped-{digest}-{model}.json")
                 if os.path.exists(marker):
                     with open(marker) as f:
                         found = set(json.load(f)["signatures"])
                 else:
                     report = install(path, machine=machine)
                     if report["skipped"] is None:
-                        found = set(report["manifest"]["signatures"])
+                        found = set(model_signatures(report["manifest"], gpu))
                         os.makedirs(root, exist_ok=True)
                         _write(marker, json.dumps({"bundle": path, "signatures": sorted(found)}).encode())
                     if settings.verbose():

@@ -135,6 +135,16 @@ def test_precompile_then_strict():
         swiglu(g, g * 2).sum().backward()
 
 
+def test_precompile_packed_then_strict():
+    """``packed=True`` compiles the packed function's kernels (``--preset ops`` ships them for first calls)."""
+    from dflash_kernels.runtime import precompile, strict
+    precompile([(OP, dict(N=12, C=40, packed=True), torch.float32)], devices=[device()], verbose=False)
+    x = torch.randn(12, 80, device=device(), requires_grad=True)
+    with strict():
+        y = swiglu_packed(x)
+        torch.autograd.grad(y, x, torch.randn_like(y))
+
+
 BAD = [
     (lambda a: dict(a, gate=a["gate"].long()), TypeError, "gate: dtype torch.int64"),
     (lambda a: dict(a, up=a["up"][:, :5]), ValueError, "up: shape .* differs from gate's"),

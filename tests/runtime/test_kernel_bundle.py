@@ -57,9 +57,21 @@ print("RESULT " + json.dumps({"first_asm": sorted(first.asm), "files": sorted(fi
 
 
 def _bundle(tmp_path, files, manifest=None, name="b.tar.xz"):
+    """A bundle with a format-1 manifest (one GPU model, "GPU A", at its top) unless ``manifest`` says otherwise."""
     path = str(tmp_path / name)
-    kb.pack(path, dict(MACHINE, signatures=["kern|h|()"], **(manifest or {})), files)
+    kb.pack(path, dict(MACHINE, gpu="GPU A", signatures=["kern|h|()"], **(manifest or {})), files)
     return path
+
+
+def _shipped_setup(tmp_path, monkeypatch, gpu="GPU A"):
+    """ensure_shipped on "device 0" of model ``gpu``, this MACHINE, with an empty cache and shipped folder."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kb, "SHIPPED_DIR", str(tmp_path / "shipped"))
+    monkeypatch.setattr(kb, "bundle_key", lambda dev: dict(MACHINE))
+    monkeypatch.setattr(kb, "gpu_model", lambda dev: gpu)
+    monkeypatch.setattr(settings, "interpreting", lambda: False)
+    monkeypatch.setattr(kb, "_checked", {})
+    (tmp_path / "shipped").mkdir(exist_ok=True)
 
 
 def test_a_bundle_installed_into_an_empty_cache_is_what_triton_finds(tmp_path):
@@ -111,12 +123,7 @@ def test_a_bundle_with_paths_outside_the_cache_is_refused(tmp_path, monkeypatch,
 
 
 def test_the_shipped_bundle_is_installed_once_and_marked(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kb, "SHIPPED_DIR", str(tmp_path / "shipped"))
-    monkeypatch.setattr(kb, "bundle_key", lambda dev: dict(MACHINE))
-    monkeypatch.setattr(settings, "interpreting", lambda: False)
-    monkeypatch.setattr(kb, "_checked", {})
-    (tmp_path / "shipped").mkdir()
+    _shipped_setup(tmp_path, monkeypatch)
     _bundle(tmp_path / "shipped", {"ENTRY/k.json": b"{}", "ENTRY/k.cubin": b"x"}, name=kb.bundle_name(MACHINE))
     assert kb.ensure_shipped(0) == {"kern|h|()"}
     assert (tmp_path / "cache" / "ENTRY" / "__grp__k.json").exists()
@@ -140,14 +147,53 @@ def test_no_shipped_bundle_for_this_machine_installs_nothing(tmp_path, monkeypat
 
 
 def test_a_damaged_shipped_bundle_warns_and_compiles(tmp_path, monkeypatch):
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kb, "SHIPPED_DIR", str(tmp_path))
-    monkeypatch.setattr(kb, "bundle_key", lambda dev: dict(MACHINE))
-    monkeypatch.setattr(settings, "interpreting", lambda: False)
-    monkeypatch.setattr(kb, "_checked", {})
-    (tmp_path / kb.bundle_name(MACHINE)).write_bytes(b"not an archive")
+    _shipped_setup(tmp_path, monkeypatch)
+    (tmp_path / "shipped" / kb.bundle_name(MACHINE)).write_bytes(b"not an archive")
     with pytest.warns(RuntimeWarning, match="could not be installed"):
         assert kb.ensure_shipped(0) == set()
+
+
+def test_a_bundle_written_per_gpu_model_keeps_the_other_models(tmp_path):
+    """``write_bundle(merge=True)`` (what ``--export-kernels shipped`` does): the H100's and the H200's kernels in
+    one sm_90 bundle, each model's launches listed apart; a model written again replaces only its own entry; a
+    bundle of another key, or ``merge=False``, is replaced whole. A format-1 bundle becomes one model's entry."""
+    path = str(tmp_path / "b.tar.xz")
+    entry = lambda sig: dict(run="r", created="c", tags=None, kernels=1, signatures=[sig])  # noqa: E731
+    kb.write_bundle(path, MACHINE, "GPU A", entry("a|1|()"), {"E1/k.cubin": b"1", "E1/k.json": b"{}"}, merge=True)
+    m = kb.write_bundle(path, MACHINE, "GPU B", entry("b|1|()"), {"E2/k.cubin": b"2", "E2/k.json": b"{}",
+                                                                 "L/__triton_launcher.so": b"so"}, merge=True)
+    assert sorted(m["models"]) == ["GPU A", "GPU B"] and (m["kernels"], m["host_modules"]) == (2, 1)
+    assert kb.model_signatures(kb.read_manifest(path), "GPU A") == ["a|1|()"]
+    assert kb.model_signatures(kb.read_manifest(path), "GPU B") == ["b|1|()"]
+    assert kb.model_signatures(kb.read_manifest(path), "GPU C") == []
+    assert sorted(kb.unpack(path)[1]) == ["E1/k.cubin", "E1/k.json", "E2/k.cubin", "E2/k.json", "L/__triton_launcher.so"]
+    m = kb.write_bundle(path, MACHINE, "GPU A", entry("a|2|()"), {"E3/k.cubin": b"3", "E3/k.json": b"{}"}, merge=True)
+    assert kb.model_signatures(m, "GPU A") == ["a|2|()"] and kb.model_signatures(m, "GPU B") == ["b|1|()"]
+    m = kb.write_bundle(path, dict(MACHINE, cuda_driver="12.8"), "GPU A", entry("a|3|()"), {"E4/k.cubin": b"4"},
+                        merge=True)
+    assert sorted(m["models"]) == ["GPU A"] and sorted(kb.unpack(path)[1]) == ["E4/k.cubin"]
+    kb.write_bundle(path, MACHINE, "GPU B", entry("b|2|()"), {"E5/k.cubin": b"5"}, merge=False)
+    assert sorted(kb.read_manifest(path)["models"]) == ["GPU B"] and sorted(kb.unpack(path)[1]) == ["E5/k.cubin"]
+    old = _bundle(tmp_path, {"E6/k.cubin": b"6"}, name="old.tar.xz")  # format 1, "GPU A"
+    assert kb.model_signatures(kb.read_manifest(old), "GPU A") == ["kern|h|()"]
+    assert kb.model_signatures(kb.read_manifest(old), "GPU B") == []
+    m = kb.write_bundle(old, MACHINE, "GPU B", entry("b|1|()"), {"E7/k.cubin": b"7"}, merge=True)
+    assert kb.model_signatures(m, "GPU A") == ["kern|h|()"] and kb.model_signatures(m, "GPU B") == ["b|1|()"]
+
+
+@pytest.mark.parametrize("gpu,expected", [("GPU A", {"a|1|()"}), ("GPU B", {"b|1|()"}), ("GPU C", set())])
+def test_the_shipped_bundle_covers_only_the_launches_of_this_gpu_model(tmp_path, monkeypatch, gpu, expected):
+    """Every model's files are installed (Triton's hashes pick what it needs), but only this model's launches count
+    as covered: another model's tuned configs may differ, so precompile must still compile those here."""
+    _shipped_setup(tmp_path, monkeypatch, gpu)
+    path = str(tmp_path / "shipped" / kb.bundle_name(MACHINE))
+    for model, sig, e in (("GPU A", "a|1|()", "E1"), ("GPU B", "b|1|()", "E2")):
+        kb.write_bundle(path, MACHINE, model, dict(run="r", created="c", tags=None, kernels=1, signatures=[sig]),
+                        {f"{e}/k.json": b"{}", f"{e}/k.cubin": b"x"}, merge=True)
+    assert kb.ensure_shipped(0) == expected
+    assert (tmp_path / "cache" / "E1" / "__grp__k.json").exists() and (tmp_path / "cache" / "E2").exists()
+    monkeypatch.setattr(kb, "_checked", {})  # another process: the marker of this model says the same
+    assert kb.ensure_shipped(0) == expected
 
 
 def test_bundle_names_carry_the_machine_key():
@@ -160,12 +206,14 @@ def test_every_shipped_bundle_is_readable_and_named_by_its_manifest():
         if name.endswith(".md"):
             continue
         manifest = kb.read_manifest(os.path.join(kb.SHIPPED_DIR, name))
-        assert kb.bundle_name(manifest) == name
-        # launches that differ only in what Triton does not specialize on share one compiled kernel
-        assert manifest["run"] and manifest["signatures"] and 0 < manifest["kernels"] <= len(manifest["signatures"])
+        assert kb.bundle_name(manifest) == name and manifest["format"] == kb.FORMAT and manifest["models"]
+        for model, entry in manifest["models"].items():
+            # launches that differ only in what Triton does not specialize on share one compiled kernel
+            assert entry["run"] and model in entry["run"], f"{name}: {model}'s entry does not name its run"
+            assert entry["signatures"] and 0 < entry["kernels"] <= len(entry["signatures"])
         with tarfile.open(os.path.join(kb.SHIPPED_DIR, name), "r:xz") as tar:
             cubins = [m.name for m in tar.getmembers() if m.name.endswith(".cubin")]
-        assert len(cubins) == manifest["kernels"]
+        assert len(cubins) == manifest["kernels"] >= max(e["kernels"] for e in manifest["models"].values())
 
 
 # ------------------------------------------------------------------------------------------ recorded tags

@@ -190,10 +190,13 @@ def swiglu_packed(x):
 
 @register_precompile(OP)
 def _precompile(shape, dtype, device, backward):
-    """shape: ``N`` rows of ``C``."""
+    """shape: ``N`` rows of ``C``; ``packed`` (False): ``swiglu_packed`` on one ``[N, 2C]`` input instead."""
     N, C = shape["N"], shape["C"]
-    g = torch.randn(N, C, device=device, dtype=dtype).requires_grad_(backward)
-    u = torch.randn(N, C, device=device, dtype=dtype).requires_grad_(backward)
-    y = swiglu(g, u)
+    if shape.get("packed", False):
+        x = torch.randn(N, 2 * C, device=device, dtype=dtype).requires_grad_(backward)
+        ins, y = (x,), swiglu_packed(x)
+    else:
+        ins = tuple(torch.randn(N, C, device=device, dtype=dtype).requires_grad_(backward) for _ in range(2))
+        y = swiglu(*ins)
     if backward:
-        torch.autograd.grad(y, (g, u), torch.randn_like(y))
+        torch.autograd.grad(y, ins, torch.randn_like(y))
