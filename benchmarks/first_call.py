@@ -110,6 +110,10 @@ def child(op: str, case: str) -> dict:
     dev = torch.device("cuda")
     a = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
     (a @ a).sum().item()  # CUDA context and cuBLAS before the clock
+    # torch's own first autograd.grad with a gradient given imports torch.fx's symbolic shapes (sympy: about 2 s
+    # where Python has no bytecode cache): every training process pays it once, whatever its ops
+    b = a.float().requires_grad_()
+    torch.autograd.grad(b * 2, b, torch.ones_like(b))
     shape = CASES[op][0 if case == "covered" else 1]
     fwd, bwd = run_op(op, shape, dev)
     torch.cuda.synchronize()

@@ -36,13 +36,16 @@ fi
 if has ship; then
   gpu=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)
   vers=$(python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')")
-  run="$gpu, $vers, empty caches, $(date -u +%Y-%m-%d): bash tools/gpu/ship_caches.sh ($(paste -sd';' "$SHIP_DIR/commands.txt"))"
+  run="$gpu, $vers, empty caches, $(date -u +%Y-%m-%d): bash tools/gpu/ship_caches.sh $stages ($(paste -sd';' "$SHIP_DIR/commands.txt"))"
+  # The bundle holds every launch the shipped tuning file records for this GPU model, also those recorded by
+  # earlier runs (named in the file's run| entries), all compiled here by `precompile --preset all`.
+  bundle_run="$run; then every launch recorded in the shipped tuning file compiled: python3 -m dflash_kernels.precompile --preset all"
   for f in "$DFLASH_KERNELS_CACHE_DIR"/tuning-*.json; do
     python3 -m dflash_kernels.runtime.tuning ship "$f" --run "$run"
   done
   # Every recorded launch compiled into this cache (those of stages run on another machine too), then exported.
   python3 -m dflash_kernels.precompile --preset all
-  python3 -m dflash_kernels.precompile --list --export-kernels shipped --run "$run"
+  python3 -m dflash_kernels.precompile --list --export-kernels shipped --run "$bundle_run"
   mkdir -p "$SHIP_DIR/out"
   cp dflash_kernels/runtime/tuned/tuning-*.json dflash_kernels/runtime/compiled/*.tar.xz "$SHIP_DIR/out"/
   if [ -n "${OUT:-}" ]; then cp "$SHIP_DIR"/out/* "$OUT"/; fi
