@@ -2,6 +2,7 @@
 
 ``python -m tools.studies.profile_ops attention gdn conv``: each op at its benchmark shape (the first of
 ``bench_attention.SHAPES`` / ``bench_gdn.SHAPES[1]`` / B=8, C=10240, T=16384 conv), forward + backward,
+(``gdn_issue45``: ours at every shape of ``bench_gdn``'s ``issue45`` set, forward and forward + backward),
 through ``torch.profiler``; prints one line per kernel (calls, total and mean microseconds per call
 of the op) and the config the runtime chose for each compiled key. fla's GDN forward is profiled
 beside ours when installed. Run after ``benchmarks/ops.py`` in the same cache dir to see tuned configs.
@@ -64,6 +65,23 @@ def gdn():
             _table("gdn fla fwd", lambda: impls["fla"](q, k, v, g, beta, use_qk_l2norm_in_kernel=True))
 
 
+def gdn_issue45():
+    """Ours, forward and forward + backward, at each shape of bench_gdn's ``issue45`` set (its inputs)."""
+    from bench_gdn import SHAPE_SETS, _cu_seqlens, _inputs
+    from dflash_kernels import chunk_gated_delta_rule
+    for label, s in SHAPE_SETS["issue45"].items():
+        q, k, v, g, beta = _inputs(s, "cuda", torch.bfloat16)
+        cu = _cu_seqlens(s, "cuda")
+        do = torch.randn_like(v)
+
+        def fwd():
+            return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+
+        with torch.no_grad():
+            _table(f"gdn {label} fwd", fwd)
+        _table(f"gdn {label} fwd+bwd", lambda: torch.autograd.grad(fwd(), (q, k, v, g, beta), do))
+
+
 def conv():
     from dflash_kernels import causal_conv1d
     B, C, T, W = 8, 10240, 16384, 4
@@ -80,7 +98,7 @@ if __name__ == "__main__":
     import dflash_kernels
     for name in sys.argv[1:] or ["attention", "gdn", "conv"]:
         try:
-            {"attention": attention, "gdn": gdn, "conv": conv}[name]()
+            {"attention": attention, "gdn": gdn, "gdn_issue45": gdn_issue45, "conv": conv}[name]()
         except Exception as e:  # noqa: BLE001 - one op failing must not hide the others
             print(f"PROFILE {name} failed: {type(e).__name__}: {e}"[:400])
     for key, e in dflash_kernels.cache_info().items():
