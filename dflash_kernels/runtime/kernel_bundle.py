@@ -45,9 +45,7 @@ FORMAT = 2  # 2: per-model entries under "models"; 1: one model, its "gpu", "run
 def model_signatures(manifest: dict, gpu: str) -> list:
     """The persist names of the launches whose kernels ``manifest``'s bundle holds for GPU model ``gpu`` (the
     device name, as ``torch.cuda.get_device_name`` gives it); none for a model it was not made on."""
-    if "models" in manifest:
-        return list(manifest["models"].get(gpu, {}).get("signatures", ()))
-    return list(manifest.get("signatures", ())) if manifest.get("gpu") == gpu else []
+    return list(_models(manifest).get(gpu, {}).get("signatures", ()))
 
 
 def _driver_cuda() -> str:
@@ -165,7 +163,7 @@ def _models(manifest: dict) -> dict:
     """A manifest's per-model entries (a format-1 manifest's single model made one)."""
     if "models" in manifest:
         return dict(manifest["models"])
-    return {manifest["gpu"]: {n: manifest.get(n) for n in ("run", "created", "tags", "kernels", "signatures")}}
+    return {manifest.get("gpu"): {n: manifest.get(n) for n in ("run", "created", "tags", "kernels", "signatures")}}
 
 
 def unpack(path: str) -> tuple:
