@@ -16,15 +16,16 @@ gradient of the chunk's end state (dht for the last chunk):
     dk  = (dP Gamma)^T Q + exp(G_last - G) U dS1^T + diag(beta exp(G)) A^T dw + dR K + dR^T K
     dw  = -dU S0^T,  du = dU,  dA = dw X^T + du Y^T   (X = diag(beta e^G) K, Y = diag(beta) V)
     dL  = -A^T dA A^T (strictly lower),  dR = dL beta_i Gamma_ij
+    Since U = u - w S0 = A (Y - X S0), Y - X S0 = (I + L) U = A^-1 U, so dA = dU U^T A^-T and
+    dL = -(A^T dU) U^T: the same product from U alone, with no sum over the states' K columns.
     dv  = diag(beta) A^T dU
     dG  from every exp(G...) factor, then dg = the reverse cumulative sum of dG inside the chunk.
 
 dq and dk are written per value head (fp32) and summed over each query/key head's group on the host.
-To bound the registers, ``local`` runs one pass over V for what contracts over V only (dP, dv and the
-du Y^T part of dA), then a pass over column blocks of K (BKB wide): per block a V loop accumulates its
-columns of dO S0^T, U dS1^T and dw, and the block's dq, dk without its dR terms (stored), and its shares
-of dbeta, dG and dA = ... + dw X^T follow. With dA complete come dL and dR, and a second pass over the
-K blocks adds dR K + dR^T K to the stored dk (re-read by the same program after a barrier).
+To bound the registers, ``local`` runs one pass over V for what contracts over V only (dP, dv and dL),
+then, with dL and dR known, one pass over column blocks of K (BKB wide): per block a V loop accumulates
+its columns of dO S0^T, U dS1^T and dw, and the block's dq and dk (stored once) and its shares of dbeta
+and dG follow.
 
 Their TritonKernel wrappers and tuning candidates close the module (``ByPrecision``: kernels_fwd.py).
 """
@@ -133,10 +134,10 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_edec = tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))
     b_bg = b_beta * b_eG
 
-    # Pass over V for the products that contract over V only: dP, dv, and the dU Y^T part of dA.
+    # Pass over V for the products that contract over V only: dP, dv, dbeta's Y share and dL.
     # The products with dU run in the input precision, as the forward's u = A (beta V) does.
     b_dP = tl.zeros([BT, BT], dtype=tl.float32)   # dO U^T
-    b_dA = tl.zeros([BT, BT], dtype=tl.float32)   # du Y^T, then + dw X^T over the K blocks
+    b_dL = tl.zeros([BT, BT], dtype=tl.float32)   # -(A^T dU) U^T
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, VB)):
         o_v = i_v * VB + tl.arange(0, VB)
@@ -150,7 +151,7 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         b_dY = tl.dot(tl.trans(b_Ad), b_dvnew)
         tl.store(dv_ptr + p_v, (b_dY * b_beta[:, None]).to(dv_ptr.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_dY * b_v, 1)
-        b_dA += tl.dot(b_dvnew, tl.trans((b_v * b_beta[:, None]).to(dt)))
+        b_dL -= tl.dot(b_dY.to(dt), tl.trans(b_vnew.to(dt)))
 
     # Intra-chunk attention term.
     causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
@@ -160,16 +161,28 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     o_kw = tl.arange(0, BK)
     m_tkw = m_t[:, None] & (o_kw < K)[None, :]
     p_qkw = rows[:, None] * (HK * K) + i_hk * K + o_kw[None, :]
-    b_qk = tl.dot(tl.load(q_ptr + p_qkw, mask=m_tkw, other=0),
-                  tl.trans(tl.load(k_ptr + p_qkw, mask=m_tkw, other=0)))
+    b_kw = tl.load(k_ptr + p_qkw, mask=m_tkw, other=0)
+    b_qk = tl.dot(tl.load(q_ptr + p_qkw, mask=m_tkw, other=0), tl.trans(b_kw))
     b_t = b_dPG * b_qk
     b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
+
+    # The inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij: its gradient's shares of dbeta
+    # and dG now, of dk (dR K + dR^T K) in the K blocks below.
+    strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dL = tl.where(strict, b_dL, 0.0)
+    gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    b_dLg = b_dL * gamma_s
+    b_dR = b_dLg * b_beta[:, None]
+    b_dRd = b_dR.to(dt)
+    b_kk = tl.dot(b_kw, tl.trans(b_kw))
+    b_dbeta += tl.sum(b_dLg * b_kk, 1)
+    b_t3 = b_dR * b_kk
+    b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
 
     b_hdh = tl.zeros([KB], dtype=tl.float32)      # partial sums of S0 * dS1 (for dG_last)
     b_t2s = tl.zeros([BT], dtype=tl.float32)      # the state path's share of dG_last
     p_h = (i_c.to(tl.int64) * HV + i_h) * (K * V)
-    # Pass over the K blocks: each block's dq (final), dk without the dR terms (stored, completed
-    # below), and its shares of dbeta, dG, dG_last and dA.
+    # Pass over the K blocks: each block's dq and dk (final), and its shares of dbeta, dG and dG_last.
     for i_kb in range(BK // KB):
         o_k = i_kb * KB + tl.arange(0, KB)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
@@ -211,46 +224,20 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         b_dG -= b_t2
         b_t2s += b_t2
 
-        # WY representation: w = A X, u = A Y, then A = (I + L)^-1.
+        # WY representation: w = A X, then A = (I + L)^-1 (L's share above).
         b_X = b_kf * b_bg[:, None]
         # A^T loaded per block: hoisted out of the loops, the transposed operand holds registers throughout.
         b_At = tl.load(A_ptr + rows[None, :] * (HV * BT) + i_h * BT + o_i[:, None], mask=m_t[None, :], other=0)
         b_dX = tl.dot(b_At.to(dt), b_dw.to(dt))
-        b_dA += tl.dot(b_dw.to(dt), tl.trans(b_X.to(dt)))
         b_dk += b_dX * b_bg[:, None]
+        b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
         b_dbeta += tl.sum(b_dX * b_kf * b_eG[:, None], 1)
         b_dG += tl.sum(b_dX * b_X, 1)
         tl.store(dk_ptr + p_dqk, b_dk, mask=m_tk)
     b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2s, 0)
 
     # Reloaded rather than kept live through the K blocks (registers).
-    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
     b_braw = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-    b_beta = tl.where(m_t, gdn_beta(b_braw, BETA_MODE), 0.0)
-    strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_A = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0)
-    b_dL = -tl.dot(tl.dot(tl.trans(b_A), b_dA), tl.trans(b_A))
-    b_dL = tl.where(strict, b_dL, 0.0)
-    gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-    b_dLg = b_dL * gamma_s
-    b_dR = b_dLg * b_beta[:, None]
-    b_dRd = b_dR.to(dt)
-    b_kw = tl.load(k_ptr + p_qkw, mask=m_tkw, other=0)
-    b_kk = tl.dot(b_kw, tl.trans(b_kw))
-    b_dbeta += tl.sum(b_dLg * b_kk, 1)
-    b_t3 = b_dR * b_kk
-    b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
-    # The dR terms of dk, added to the partial dk each thread block stored above (the barrier makes
-    # those stores visible to all of its threads).
-    tl.debug_barrier()
-    for i_kb in range(BK // KB):
-        o_k = i_kb * KB + tl.arange(0, KB)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k_ptr + rows[:, None] * (HK * K) + i_hk * K + o_k[None, :], mask=m_tk, other=0)
-        p_dk = dk_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
-        b_dk = tl.load(p_dk, mask=m_tk, other=0)
-        b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
-        tl.store(p_dk, b_dk, mask=m_tk)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
     b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
 
@@ -287,6 +274,7 @@ gdn_bwd_state_kernel = ByPrecision(
 gdn_bwd_local_kernel = ByPrecision(
     _gdn_bwd_local_kernel, "gdn_bwd_local",
     [Config(BV=32, BKB=64, num_warps=8), Config(BV=64, BKB=64, num_warps=8),
-     Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8)],
+     Config(BV=32, BKB=32, num_warps=8), Config(BV=64, BKB=32, num_warps=8),
+     Config(BV=64, BKB=64, num_warps=8, num_stages=3), Config(BV=64, BKB=128, num_warps=8)],
     [Config(BV=16, BKB=64, num_warps=4, num_stages=1), Config(BV=32, BKB=64, num_warps=4, num_stages=1)],
     Config(BV=16, BKB=16))
