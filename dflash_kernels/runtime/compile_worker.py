@@ -11,6 +11,7 @@ straight from the signature (Triton's ``warmup`` on stand-in tensors), no op run
 ``RESULT {"compiled": n, "errors": [...]}`` last.
 """
 
+import fcntl
 import importlib
 import json
 import sys
@@ -26,7 +27,6 @@ def main(path: str, index: int) -> None:
     settings.set_compile_shard((index, job["shards"]))
     import dflash_kernels  # noqa: F401 - registers every op's builder
     from dflash_kernels.runtime.kernel import cache_info
-    from dflash_kernels.runtime.precompile import _builders, decode
 
     for module in job["modules"]:
         importlib.import_module(module)
@@ -34,28 +34,59 @@ def main(path: str, index: int) -> None:
     specs = job["specs"]
     # Every worker runs every spec (each compiles its share of the configs), each from its own starting point,
     # so that the workers' inputs of the largest shapes are not on the GPU all at once; a spec that ran out of
-    # memory is tried again at the end, when the others are done with theirs.
+    # memory is tried again at the end, one worker at a time (a lock beside the job file): retried together,
+    # the largest shapes of 16 workers ran out again.
     start = index % len(specs) if specs else 0
     for device in job["devices"]:
         dev = torch.device(device)
         retry = []
-        for attempt, todo in enumerate((specs[start:] + specs[:start], retry)):
-            for op, shape, dtype in todo:
+        for op, shape, dtype in specs[start:] + specs[:start]:
+            if not _build(op, shape, dtype, dev, job["backward"], errors, retry):
+                _release(dev)
+        if retry:
+            _release(dev)
+            with open(path + ".retry.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
-                    _builders[op](decode(shape), decode(dtype), dev, job["backward"])
-                except torch.OutOfMemoryError as e:
-                    if attempt == 0:
-                        retry.append((op, shape, dtype))
-                    else:
-                        errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-                except Exception as e:  # noqa: BLE001 - reported; the parent's serial pass compiles what is left
-                    errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
+                    for op, shape, dtype in retry:
+                        _build(op, shape, dtype, dev, job["backward"], errors, None)
+                        _release(dev)
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     compiled = sum(v["compiles"] for v in cache_info().values())
     print("RESULT " + json.dumps({"compiled": compiled, "errors": errors}), flush=True)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """A failure of device memory: torch's OutOfMemoryError, or cuBLAS failing to allocate its workspace or
+    handle (a RuntimeError, "CUBLAS_STATUS_ALLOC_FAILED"), which other processes' allocations cause alike."""
+    return isinstance(e, torch.OutOfMemoryError) or (
+        isinstance(e, RuntimeError) and ("CUBLAS_STATUS_ALLOC_FAILED" in str(e) or "out of memory" in str(e)))
+
+
+def _build(op, shape, dtype, dev, backward, errors, retry) -> bool:
+    """Run one spec's builder; False if it failed. An out-of-memory failure goes to ``retry`` when one is given,
+    every other failure (and one on the retry) to ``errors``."""
+    from dflash_kernels.runtime.precompile import _builders, decode
+
+    try:
+        _builders[op](decode(shape), decode(dtype), dev, backward)
+        return True
+    except Exception as e:  # noqa: BLE001 - reported; the parent's serial pass compiles what is left
+        if retry is not None and out_of_memory(e):
+            retry.append((op, shape, dtype))
+        else:
+            errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
+        return False
+
+
+def _release(dev):
+    """Hand the failed build's cached blocks back, so that the other workers (and the retry) can use them."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
 
 
 def signatures(path: str, index: int) -> None:

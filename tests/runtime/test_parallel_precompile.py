@@ -134,6 +134,34 @@ def test_worker_processes_run_the_specs_and_report_problems(monkeypatch):
     assert any("parallel compile pass had 2 problems" in str(w.message) for w in caught)
 
 
+def test_out_of_memory_specs_are_retried_one_worker_at_a_time(tmp_path):
+    """A spec that ran out of device memory (torch's error, or cuBLAS failing to allocate) is not a problem yet:
+    each worker retries it after its other specs, under a lock, so that the retries of the largest shapes do not
+    run out again by all running at once."""
+    from tests.runtime import oom_builders  # noqa: F401 - registers the two builders (the workers import it too)
+
+    log = tmp_path / "retries.txt"
+    specs = [("toy_oom_once", {"log": str(log)}, torch.float32), ("toy_cublas_once", {"log": str(log)}, torch.float32)]
+    rep = pc._parallel_compile(specs, [torch.device("cpu")], False, 2, verbose=False)
+    assert rep["errors"] == [], rep
+    runs = [line.split() for line in log.read_text().splitlines()]
+    assert sorted((pid, op) for pid, op, _, _ in runs) == sorted(
+        (pid, op) for pid in {r[0] for r in runs} for op in ("toy_cublas_once", "toy_oom_once")), runs
+    assert len({pid for pid, _, _, _ in runs}) == 2, runs
+    spans = sorted((float(a), float(b), pid) for pid, _, a, b in runs)
+    for (a0, b0, p0), (a1, b1, p1) in zip(spans, spans[1:]):
+        assert p0 == p1 or a1 >= b0, f"retries of two workers overlapped: {spans}"
+
+
+def test_a_real_failure_is_not_retried():
+    from dflash_kernels.runtime.compile_worker import out_of_memory
+
+    assert out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"))
+    assert not out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert not out_of_memory(KeyError("D"))
+
+
 def test_default_workers(monkeypatch):
     monkeypatch.delenv("DFLASH_KERNELS_PRECOMPILE_WORKERS", raising=False)
     assert pc.default_workers([torch.device("cpu")]) == 0
