@@ -41,16 +41,14 @@ def main(path: str, index: int) -> None:
         dev = torch.device(device)
         retry = []
         for op, shape, dtype in specs[start:] + specs[:start]:
-            if not _build(op, shape, dtype, dev, job["backward"], errors, retry):
-                _release(dev)
+            _build(op, shape, dtype, dev, job["backward"], errors, retry)
         if retry:
-            _release(dev)
             with open(path + ".retry.lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
                     for op, shape, dtype in retry:
-                        _build(op, shape, dtype, dev, job["backward"], errors, None)
-                        _release(dev)
+                        if _build(op, shape, dtype, dev, job["backward"], errors, None):
+                            _release(dev)  # the next worker's retry gets the memory this one held
                 finally:
                     fcntl.flock(lock, fcntl.LOCK_UN)
         if dev.type == "cuda":
@@ -67,15 +65,18 @@ def out_of_memory(e: BaseException) -> bool:
 
 
 def _build(op, shape, dtype, dev, backward, errors, retry) -> bool:
-    """Run one spec's builder; False if it failed. An out-of-memory failure goes to ``retry`` when one is given,
-    every other failure (and one on the retry) to ``errors``."""
+    """Run one spec's builder; False if it failed. An out-of-memory failure releases the cached memory and goes
+    to ``retry`` when one is given; every other failure (and one on the retry) goes to ``errors``."""
     from dflash_kernels.runtime.precompile import _builders, decode
 
     try:
         _builders[op](decode(shape), decode(dtype), dev, backward)
         return True
     except Exception as e:  # noqa: BLE001 - reported; the parent's serial pass compiles what is left
-        if retry is not None and out_of_memory(e):
+        oom = out_of_memory(e)
+        if oom:
+            _release(dev)
+        if retry is not None and oom:
             retry.append((op, shape, dtype))
         else:
             errors.append(f"{op} {shape}: {type(e).__name__}: {str(e)[:300]}")
@@ -83,7 +84,7 @@ def _build(op, shape, dtype, dev, backward, errors, retry) -> bool:
 
 
 def _release(dev):
-    """Hand the failed build's cached blocks back, so that the other workers (and the retry) can use them."""
+    """Hand this process's cached device memory back, so that the other workers (and the retries) can use it."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
