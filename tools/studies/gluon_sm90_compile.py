@@ -62,6 +62,20 @@ def structure_counts(ptx: str, ttgir: str) -> dict:
             "ws_regions": ttgir.count("ttg.warp_specialize(")}
 
 
+def report(D: int, causal: bool, dump: str = None) -> dict:
+    """One build's resources (``cubin_resources`` and the launch's shared memory) and structure counts; with
+    ``dump``, its TTGIR and PTX written into that folder."""
+    compiled = compile_gluon_attention(D, causal)
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(dump, f"D{D}_{'causal' if causal else 'full'}.{ext}"), "w") as f:
+                f.write(compiled.asm[ext])
+    return {"shared": compiled.metadata.shared, **cubin_resources(compiled.asm["cubin"]),
+            **structure_counts(ptx, ttgir)}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dump", metavar="DIR", help="write each build's TTGIR and PTX into DIR")
@@ -74,7 +88,7 @@ def main():
 
     print(f"triton {triton.__version__}, sm_90, bf16, BM {G.BM} (2 consumer warpgroups x {G.BMW} rows) + "
           f"1 producer warp, maxnreg {G.MAXNREG}, setmaxnreg consumers {G.CONSUMER_REGS} / producer "
-          f"{G.PRODUCER_REGS}")
+          f"{G.PRODUCER_REGS}; regs: per thread at launch")
     print(f"{'build':22s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
           f"{'TMA':>4s} {'mbar':>5s} {'setmaxnreg':>10s} {'ws':>3s}")
     failed = False
@@ -83,24 +97,15 @@ def main():
             cfg = G.tile_config(D)
             name = f"D{D} {'causal' if causal else 'full'} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
             try:
-                compiled = compile_gluon_attention(D, causal)
+                r = report(D, causal, args.dump)
             except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash
                 failed = True
                 print(f"{name:22s} does not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:160]})")
                 continue
-            ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
-            r = cubin_resources(compiled.asm["cubin"])
-            c = structure_counts(ptx, ttgir)
-            fits = "" if compiled.metadata.shared <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
-            print(f"{name:22s} {compiled.metadata.shared:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} "
-                  f"{r['ldl']:>4d} {c['wgmma']:>6d} {c['tma']:>4d} {c['mbarrier']:>5d} {c['setmaxnreg']:>10d} "
-                  f"{c['ws_regions']:>3d}{fits}", flush=True)
-            if args.dump:
-                os.makedirs(args.dump, exist_ok=True)
-                stem = os.path.join(args.dump, name.split()[0] + "_" + name.split()[1])
-                for ext in ("ttgir", "ptx"):
-                    with open(f"{stem}.{ext}", "w") as f:
-                        f.write(compiled.asm[ext])
+            fits = "" if r["shared"] <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
+            print(f"{name:22s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
+                  f"{r['wgmma']:>6d} {r['tma']:>4d} {r['mbarrier']:>5d} {r['setmaxnreg']:>10d} "
+                  f"{r['ws_regions']:>3d}{fits}", flush=True)
     if failed:
         raise SystemExit(1)
 
