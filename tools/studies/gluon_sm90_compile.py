@@ -100,7 +100,9 @@ def main():
                 r = report(D, causal, args.dump)
             except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash
                 failed = True
-                print(f"{name:22s} does not compile ({type(e).__name__}: {str(e).strip().splitlines()[-1][:160]})")
+                while e.__cause__ is not None:  # a CompilationError wraps the error of the innermost call
+                    e = e.__cause__
+                print(f"{name:22s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
                 continue
             fits = "" if r["shared"] <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
             print(f"{name:22s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
