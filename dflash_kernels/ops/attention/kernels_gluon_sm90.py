@@ -71,6 +71,13 @@ CONSUMER_REGS = 240  # (65536 - 128 * 24) / (2 * 128), rounded down to a multipl
 MAXNREG = 168
 
 
+@gluon.constexpr_function
+def score_layout(N):
+    """The fp32 accumulator layout of a warpgroup MMA with N columns in one warpgroup (warps stacked along the
+    rows, 16 rows each; K per instruction is 32 bytes of the 16-bit inputs)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, N, 16])
+
+
 @gluon.jit
 def _issue_scores(q, k_smem, k_ready, stage, phase, ROWS: gl.constexpr, D: gl.constexpr, BN: gl.constexpr,
                   s_layout: gl.constexpr):
@@ -82,19 +89,26 @@ def _issue_scores(q, k_smem, k_ready, stage, phase, ROWS: gl.constexpr, D: gl.co
 
 
 @gluon.jit
-def _masked_scores(s, j, row0, rows, Lk, qk_scale, BN: gl.constexpr, CAUSAL: gl.constexpr,
+def _tile_keys(j, start0, n0, start1, lo0, hi0, lo1, hi1, BN: gl.constexpr):
+    """Tile ``j`` of a program's key walk: its first key and the consumer's segment ``[lo, hi)`` it is masked
+    against. The walk is ``n0`` tiles from ``start0`` (segment slot 0), then tiles from ``start1`` (slot 1)."""
+    first = j < n0
+    n = gl.where(first, start0 + j * BN, start1 + (j - n0) * BN)
+    return n, gl.where(first, lo0, lo1), gl.where(first, hi0, hi1)
+
+
+@gluon.jit
+def _masked_scores(s, n, lo, hi, row0, rows, qk_scale, BN: gl.constexpr, CAUSAL: gl.constexpr,
                    s_layout: gl.constexpr):
-    """Scores of key tile ``j`` scaled to base 2, -inf at keys past ``Lk`` and (causal) right of the diagonal.
-    The element mask is computed only for tiles that hold such keys."""
+    """Scores of the key tile ``[n, n + BN)`` scaled to base 2, -inf at keys outside ``[lo, hi)`` and (causal)
+    right of the row's diagonal. The element mask is computed only for tiles that hold such keys."""
     s = s * qk_scale
-    end = (j + 1) * BN
+    ragged = (n < lo) | (n + BN > hi)
     if CAUSAL:
-        ragged = (end > Lk) | (end - 1 > row0)  # some key right of the first row's diagonal
-    else:
-        ragged = end > Lk
+        ragged = ragged | (n + BN - 1 > row0)  # some key right of the first row's diagonal
     if ragged:
-        cols = j * BN + gl.arange(0, BN, gl.SliceLayout(0, s_layout))
-        vis = gl.expand_dims(cols < Lk, 0)
+        cols = n + gl.arange(0, BN, gl.SliceLayout(0, s_layout))
+        vis = gl.expand_dims((cols >= lo) & (cols < hi), 0)
         if CAUSAL:
             vis = vis & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
         s = gl.where(vis, s, float("-inf"))
@@ -115,6 +129,86 @@ def _softmax_step(s, m_i, l_i):
 
 
 @gluon.jit
+def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles, start0, n0, start1,
+            lo0, hi0, lo1, hi1, row0, rows, qk_scale, WG: gl.constexpr, BN: gl.constexpr,
+            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One consumer warpgroup's key loop over the ``n_tiles`` tiles of the ring (``_tile_keys`` maps them to
+    keys): the unnormalised accumulator o [ROWS, D] fp32, the base-2 row max and the row sums. ``q`` is the
+    warpgroup's [ROWS, D] shared buffer; ``WG`` (0 or 1) its place in the ping-pong."""
+    ROWS: gl.constexpr = q.shape[0]
+    D: gl.constexpr = q.shape[1]
+    dtype: gl.constexpr = q.dtype
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    o = gl.zeros([ROWS, D], gl.float32, o_layout)
+
+    # Consumer 0 holds the first turn: a fresh mbarrier counts as having completed the phase before phase 0,
+    # so waiting for parity 1 passes at once; consumer 1 waits for consumer 0's first hand-over (parity 0).
+    # Both consumers run the same n_tiles, so the hand-overs pair up (none at all when it is 0).
+    my_turn = turn.index(WG)
+    next_turn = turn.index(1 - WG)
+    turn_phase = 1 - WG
+    if n_tiles > 0:
+        # Tile 0: scores and softmax only; its P V is issued with the next tile's scores.
+        mbarrier.wait(my_turn, turn_phase)
+        s = _issue_scores(q, k_smem, k_ready, 0, 0, ROWS, D, BN, s_layout)
+        mbarrier.arrive(next_turn)
+        turn_phase ^= 1
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(0))
+        n, lo, hi = _tile_keys(0, start0, n0, start1, lo0, hi0, lo1, hi1, BN)
+        s = _masked_scores(s, n, lo, hi, row0, rows, qk_scale, BN, CAUSAL, s_layout)
+        m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i)
+        p = gl.convert_layout(p.to(dtype), p_layout)
+
+        for j in range(1, n_tiles):
+            stage = j % NUM_STAGES
+            phase = (j // NUM_STAGES) & 1
+            prev = (j - 1) % NUM_STAGES
+            prev_phase = ((j - 1) // NUM_STAGES) & 1
+            mbarrier.wait(my_turn, turn_phase)
+            s = _issue_scores(q, k_smem, k_ready, stage, phase, ROWS, D, BN, s_layout)
+            mbarrier.wait(v_ready.index(prev), prev_phase)
+            o = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), o, is_async=True)
+            mbarrier.arrive(next_turn)
+            turn_phase ^= 1
+            # The two MMAs complete in order: one outstanding means the scores are done.
+            s = warpgroup_mma_wait(1, deps=(s, ))
+            mbarrier.arrive(k_empty.index(stage))
+            n, lo, hi = _tile_keys(j, start0, n0, start1, lo0, hi0, lo1, hi1, BN)
+            s = _masked_scores(s, n, lo, hi, row0, rows, qk_scale, BN, CAUSAL, s_layout)
+            m_i, p_new, alpha, l_i = _softmax_step(s, m_i, l_i)
+            # P of the previous tile stays alive (registers the MMA reads) until its MMA completes.
+            o, p = warpgroup_mma_wait(0, deps=(o, p))
+            mbarrier.arrive(v_empty.index(prev))
+            o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            p = gl.convert_layout(p_new.to(dtype), p_layout)
+
+        last = (n_tiles - 1) % NUM_STAGES
+        last_phase = ((n_tiles - 1) // NUM_STAGES) & 1
+        mbarrier.wait(my_turn, turn_phase)
+        mbarrier.wait(v_ready.index(last), last_phase)
+        o = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), o, is_async=True)
+        mbarrier.arrive(next_turn)
+        o, p = warpgroup_mma_wait(0, deps=(o, p))
+        mbarrier.arrive(v_empty.index(last))
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _finish_rows(o, m_i, l_i, o_layout: gl.constexpr):
+    """The normalised output rows (fp32) and their natural-log lse; a row that saw no key (``l_i = 0``) gets
+    o 0 and lse -inf."""
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    o = o / gl.expand_dims(gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout)), 1)
+    return o, lse
+
+
+@gluon.jit
 def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
               turn, b, h, m0, Lq, Lk, H, n_tiles, qk_scale,
               WG: gl.constexpr, BN: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -122,84 +216,44 @@ def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready,
     D: gl.constexpr = q_desc.block_type.shape[2]
     ROWS: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
-    # Warpgroup MMA accumulators of one warpgroup (warps stacked along the rows, 16 rows each); K per
-    # instruction is 32 bytes of the 16-bit inputs.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BN, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    s_layout: gl.constexpr = score_layout(BN)
+    o_layout: gl.constexpr = score_layout(D)
 
     row0 = m0 + WG * ROWS
     rows = row0 + gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
     q_buf = q_smem.index(WG)
     q = q_buf.reshape([ROWS, D])
     mbarrier.wait(q_ready.index(WG), 0)
-
-    # Consumer 0 holds the first turn: a fresh mbarrier counts as having completed the phase before phase 0,
-    # so waiting for parity 1 passes at once; consumer 1 waits for consumer 0's first hand-over (parity 0).
-    my_turn = turn.index(WG)
-    next_turn = turn.index(1 - WG)
-    turn_phase = 1 - WG
-
-    # Tile 0: scores and softmax only; its P V is issued with the next tile's scores.
-    mbarrier.wait(my_turn, turn_phase)
-    s = _issue_scores(q, k_smem, k_ready, 0, 0, ROWS, D, BN, s_layout)
-    mbarrier.arrive(next_turn)
-    turn_phase ^= 1
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0))
-    s = _masked_scores(s, 0, row0, rows, Lk, qk_scale, BN, CAUSAL, s_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-    m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i)
-    p = gl.convert_layout(p.to(dtype), p_layout)
-    o = gl.zeros([ROWS, D], gl.float32, o_layout)
-
-    for j in range(1, n_tiles):
-        stage = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
-        prev = (j - 1) % NUM_STAGES
-        prev_phase = ((j - 1) // NUM_STAGES) & 1
-        mbarrier.wait(my_turn, turn_phase)
-        s = _issue_scores(q, k_smem, k_ready, stage, phase, ROWS, D, BN, s_layout)
-        mbarrier.wait(v_ready.index(prev), prev_phase)
-        o = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), o, is_async=True)
-        mbarrier.arrive(next_turn)
-        turn_phase ^= 1
-        # The two MMAs complete in order: one outstanding means the scores are done.
-        s = warpgroup_mma_wait(1, deps=(s, ))
-        mbarrier.arrive(k_empty.index(stage))
-        s = _masked_scores(s, j, row0, rows, Lk, qk_scale, BN, CAUSAL, s_layout)
-        m_i, p_new, alpha, l_i = _softmax_step(s, m_i, l_i)
-        # P of the previous tile stays alive (registers the MMA reads) until its MMA completes.
-        o, p = warpgroup_mma_wait(0, deps=(o, p))
-        mbarrier.arrive(v_empty.index(prev))
-        o = o * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        p = gl.convert_layout(p_new.to(dtype), p_layout)
-
-    last = (n_tiles - 1) % NUM_STAGES
-    last_phase = ((n_tiles - 1) // NUM_STAGES) & 1
-    mbarrier.wait(my_turn, turn_phase)
-    mbarrier.wait(v_ready.index(last), last_phase)
-    o = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), o, is_async=True)
-    mbarrier.arrive(next_turn)
-    o, p = warpgroup_mma_wait(0, deps=(o, p))
-    mbarrier.arrive(v_empty.index(last))
-
-    seen = l_i > 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
+    # One walk over keys [0, Lk): segment slot 0 is [0, Lk), slot 1 unused.
+    o, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles, 0, n_tiles, 0,
+                          0, Lk, 0, 0, row0, rows, qk_scale, WG, BN, NUM_STAGES, CAUSAL, s_layout, o_layout)
+    o, lse = _finish_rows(o, m_i, l_i, o_layout)
     lse_row = (b * H + h).to(gl.int64) * Lq + rows
     gl.store(lse_ptr + lse_row, lse, mask=rows < Lq)
-
-    o = o / gl.expand_dims(gl.convert_layout(l_safe, row_o), 1)
-    # Q's buffer holds o for the TMA store: every MMA that read Q has completed (waits above).
+    # Q's buffer holds o for the TMA store: every MMA that read Q has completed (waits in _attend).
     q.store(o.to(dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, row0, h * D], q_buf)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, n_tiles, start0, n0,
+             start1, BN: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """The producer's K / V loop: tile by tile (``_tile_keys``'s walk) into the stage ring. A box reaching
+    past the keys' end reads zeros."""
+    D: gl.constexpr = k_desc.block_type.shape[2]
+    for j in range(n_tiles):
+        stage = j % NUM_STAGES
+        n = gl.where(j < n0, start0 + j * BN, start1 + (j - n0) * BN)
+        # The first pass over the ring waits for parity 1, which a fresh mbarrier has completed.
+        empty_phase = ((j // NUM_STAGES) & 1) ^ 1
+        mbarrier.wait(k_empty.index(stage), empty_phase)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, n, hk * D], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), empty_phase)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, n, hk * D], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
@@ -211,16 +265,27 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, 
     for i in gl.static_range(2):
         mbarrier.expect(q_ready.index(i), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, m0 + i * ROWS, h * D], q_ready.index(i), q_smem.index(i))
-    for j in range(n_tiles):
-        stage = j % NUM_STAGES
-        # The first pass over the ring waits for parity 1, which a fresh mbarrier has completed.
-        empty_phase = ((j // NUM_STAGES) & 1) ^ 1
-        mbarrier.wait(k_empty.index(stage), empty_phase)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, j * BN, hk * D], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), empty_phase)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, j * BN, hk * D], v_ready.index(stage), v_smem.index(stage))
+    _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, n_tiles, 0, n_tiles, 0,
+             BN, NUM_STAGES)
+
+
+@gluon.jit
+def _init_ring(NUM_STAGES: gl.constexpr):
+    """The K / V stage ring's mbarriers (ready: one TMA arrival with its byte count; empty: one arrival per
+    consumer warpgroup) and the two ping-pong turn barriers."""
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    return k_ready, k_empty, v_ready, v_empty, turn
 
 
 @gluon.jit
@@ -254,19 +319,9 @@ def _attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Lq, Lk,
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(turn.index(i), count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+    k_ready, k_empty, v_ready, v_empty, turn = _init_ring(NUM_STAGES)
     # The barriers are completed by TMA (the async proxy): make their initialisation visible to it.
     fence_async_shared()
 
