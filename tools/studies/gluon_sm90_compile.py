@@ -1,8 +1,11 @@
-"""Compile the warp-specialized Gluon attention forward (kernels_gluon_sm90.py) for sm_90 on the CPU.
+"""Compile the warp-specialized Gluon attention forwards for sm_90 on the CPU: the dense one
+(kernels_gluon_sm90.py) and the DFlash-mask one (kernels_gluon_sm90_dflash.py).
 
     python -m tools.studies.gluon_sm90_compile [--dump DIR]
 
-Builds D = 64 and 128, causal and not, bf16, with the launcher's tile config and launch options, through
+Builds D = 64 and 128, bf16, with the launchers' tile config and launch options: dense causal and not, and
+DFlash at GQA 4 with 16-position groups (64 live rows per consumer; the other GQA ratios change only
+constants of the row arithmetic), through
 Triton's own toolchain (ptxas and cuobjdump ship with the wheel; no GPU). Per build one line: the shared
 memory the launch needs (sm_90 allows 232,448 bytes per block), registers per thread (the launch value:
 ``setmaxnreg`` moves them between the partitions afterwards), the local-memory stack and the spill stores /
@@ -53,6 +56,40 @@ def compile_gluon_attention(D: int, causal: bool, dtype=None):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": G.MAXNREG})
 
 
+def compile_gluon_dflash(D: int, G: int = 4, q_block: int = 16, dtype=None):
+    """The compiled DFlash-mask kernel for head dim ``D``, GQA group ``G`` and ``q_block``-position groups,
+    as its launcher would launch it at bf16 (or ``dtype``)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dflash_kernels.ops.attention import kernels_gluon_sm90 as G_
+    from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash as GD
+
+    dtype = dtype or torch.bfloat16
+    cfg = G_.tile_config(D)
+    x = torch.empty(1, cfg["BN"], 2, D, dtype=dtype)
+    kv_desc = G_.descriptor(x, cfg["BN"])
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    fn = GD._dflash_fwd_ws_kernel
+    sig = {"q_ptr": ptr, "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc), "o_ptr": ptr,
+           "lse_ptr": "*fp32", "segments": "*i32", "seg_count": "*i32", "Tq": "i32", "NG": "i32", "MS": "i32",
+           "MB": "i32", "Hq": "i32", "Hkv": "i32", "NBH": "i32", "qk_scale": "fp32"}
+    constexprs = {"G": G, "BQ": q_block, "GH": GD.gluon_dflash_rows(q_block, G), "BN": cfg["BN"],
+                  "NUM_STAGES": cfg["NUM_STAGES"], "CONSUMER_REGS": G_.CONSUMER_REGS,
+                  "PRODUCER_REGS": G_.PRODUCER_REGS}
+    sig.update({name: "constexpr" for name in constexprs})
+    assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
+    # The launcher's tensors are torch allocations (16-byte aligned); D and Hq * D make the row offsets
+    # multiples of 8 elements.
+    attrs = {(list(sig).index(n), ): [["tt.divisibility", 16]] for n in ("q_ptr", "o_ptr", "lse_ptr", "segments",
+                                                                          "seg_count")}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": G_.MAXNREG})
+
+
 def structure_counts(ptx: str, ttgir: str) -> dict:
     """How many of each instruction that shows the kernel's structure the PTX holds."""
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
@@ -62,15 +99,17 @@ def structure_counts(ptx: str, ttgir: str) -> dict:
             "ws_regions": ttgir.count("ttg.warp_specialize(")}
 
 
-def report(D: int, causal: bool, dump: str = None) -> dict:
+def report(D: int, causal, dump: str = None) -> dict:
     """One build's resources (``cubin_resources`` and the launch's shared memory) and structure counts; with
-    ``dump``, its TTGIR and PTX written into that folder."""
-    compiled = compile_gluon_attention(D, causal)
+    ``dump``, its TTGIR and PTX written into that folder. ``causal``: False or True for the dense kernel,
+    ``"dflash"`` for the DFlash-mask kernel."""
+    compiled = compile_gluon_dflash(D) if causal == "dflash" else compile_gluon_attention(D, causal)
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     if dump:
         os.makedirs(dump, exist_ok=True)
+        tag = {False: "full", True: "causal", "dflash": "dflash"}[causal]
         for ext in ("ttgir", "ptx"):
-            with open(os.path.join(dump, f"D{D}_{'causal' if causal else 'full'}.{ext}"), "w") as f:
+            with open(os.path.join(dump, f"D{D}_{tag}.{ext}"), "w") as f:
                 f.write(compiled.asm[ext])
     return {"shared": compiled.metadata.shared, **cubin_resources(compiled.asm["cubin"]),
             **structure_counts(ptx, ttgir)}
@@ -89,23 +128,24 @@ def main():
     print(f"triton {triton.__version__}, sm_90, bf16, BM {G.BM} (2 consumer warpgroups x {G.BMW} rows) + "
           f"1 producer warp, maxnreg {G.MAXNREG}, setmaxnreg consumers {G.CONSUMER_REGS} / producer "
           f"{G.PRODUCER_REGS}; regs: per thread at launch")
-    print(f"{'build':22s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
+    print(f"{'build':24s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
           f"{'TMA':>4s} {'mbar':>5s} {'setmaxnreg':>10s} {'ws':>3s}")
     failed = False
     for D in (64, 128):
-        for causal in (False, True):
+        for causal in (False, True, "dflash"):
             cfg = G.tile_config(D)
-            name = f"D{D} {'causal' if causal else 'full'} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
+            tag = {False: "full", True: "causal", "dflash": "dflash G4"}[causal]
+            name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
             try:
                 r = report(D, causal, args.dump)
             except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash
                 failed = True
                 while e.__cause__ is not None:  # a CompilationError wraps the error of the innermost call
                     e = e.__cause__
-                print(f"{name:22s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
+                print(f"{name:24s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
                 continue
             fits = "" if r["shared"] <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
-            print(f"{name:22s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
+            print(f"{name:24s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
                   f"{r['wgmma']:>6d} {r['tma']:>4d} {r['mbarrier']:>5d} {r['setmaxnreg']:>10d} "
                   f"{r['ws_regions']:>3d}{fits}", flush=True)
     if failed:
