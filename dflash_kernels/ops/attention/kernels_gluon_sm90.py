@@ -44,7 +44,11 @@ written. TMA needs the base addresses and every stride but the last to be multip
 head dim contiguous: the launcher takes contiguous q, k, v (``[B, L, heads, D]`` row-major) with D = 64 or
 128, which meet it whenever the base pointers are 16-byte aligned (torch allocations are; it checks).
 
-Not wired into the op's dispatch yet: nothing imports this module.
+The consumer's key loop (``_attend``), the producer's K / V loop (``_load_kv``), the softmax step and the
+epilogue's normalisation walk keys in up to two ranges (segment slots) with a per-range element mask; the
+dense kernel uses one range ``[0, Lk)``, the DFlash-mask forward (kernels_gluon_sm90_dflash.py) both.
+
+Not wired into the op's dispatch yet: only the DFlash sibling, the tests and the studies import this module.
 """
 
 import torch
