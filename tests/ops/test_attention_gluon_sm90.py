@@ -2,7 +2,7 @@
 (kernels_gluon_sm90.py: o and lse, dense and causal, GQA ratios 1 and 4, D = 64 and 128, lengths that are not
 multiples of the tiles) and the DFlash-mask one (kernels_gluon_sm90_dflash.py: DFlash masks with and without
 window and padding blocks, B = 1 and 2, odd S and N, GQA 4, 2 and 1, sorted and unsorted anchors, the portable
-op's outputs alongside).
+op's outputs alongside; non-finite K / V confined to the rows that see them).
 
 Gluon kernels run only on the GPU they are written for (no interpreter path): those tests need a CUDA device
 of compute capability 9.x and skip elsewhere, the interpreter included. The mask checks of the DFlash launcher
@@ -195,25 +195,44 @@ def test_dflash_matches_reference(case, D, dtype, monkeypatch):
 
 
 @needs_sm90
-def test_dflash_nonfinite_keys_confined_values_reach_seers():
-    """The module docstring's non-finite behaviour: a NaN in K reaches only the rows that see its key; a NaN in
-    V reaches at least those rows (it may reach more: the rows of the groups whose loaded tiles hold it)."""
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("D", [128, 64], ids=lambda d: f"D{d}")
+def test_dflash_nonfinite_confined(D, where, value):
+    """The module docstring's non-finite behaviour, as tests/ops/test_nonfinite.py checks it for the portable
+    op: a NaN / Inf in K or V reaches only the rows that see its key. The rows that do not (those of the groups
+    whose loaded tiles hold it included: the bad keys sit in the own block of one group of a program and at a
+    context key that later anchors see, inside the ragged last box of earlier ones) give exactly the clean
+    run's o and lse, finite and within the reference's tolerance; the rows that see a NaN, or an infinite value,
+    are non-finite."""
     from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import attention_fwd_gluon_sm90_dflash
 
-    q, k, v, mask, dense = _dflash_case("odd_gqa4", 128, torch.bfloat16)
-    S = k.shape[1] - q.shape[1]
-    bad = S + 5 * 16 + 3  # a key of block 5's own block: block 5's rows alone see it
-    seers = dense[:, :, bad].expand(q.shape[0], -1)  # [B, Tq]
-    k2 = k.clone()
-    k2[:, bad, 0, 7] = float("nan")  # kv head 0: query heads 0 .. 3
-    o, _ = attention_fwd_gluon_sm90_dflash(q, k2, v, mask, 0.125)
-    hit = o[:, :, :4].isnan().any(-1)  # [B, Tq, 4]
-    assert torch.equal(hit, seers[..., None].expand_as(hit)), "a NaN key reached rows that do not see it"
-    assert not o[:, :, 4:].isnan().any(), "a NaN key of kv head 0 reached another kv head's rows"
-    v2 = v.clone()
-    v2[:, bad, 0, 7] = float("nan")
-    o, _ = attention_fwd_gluon_sm90_dflash(q, k, v2, mask, 0.125)
-    assert o[:, :, :4].isnan().any(-1)[seers].all(), "a NaN value missed a row that sees it"
+    q, k, v, mask, dense = _dflash_case("odd_gqa4", D, torch.bfloat16)
+    B, Tq, Hq, _ = q.shape
+    S = k.shape[1] - Tq
+    scale = 1.0 / math.sqrt(D)
+    own = S + 5 * 16 + 3  # a key of block 5's own block: block 5's rows alone see it (block 4 shares its box)
+    ctx = S // 2  # a context key: the groups with a later anchor see it
+    bad = torch.zeros(k.shape[1], dtype=torch.bool, device=k.device)
+    bad[[own, ctx]] = True
+    seers = (dense & bad).any(-1).expand(B, -1)  # [B, Tq]
+    assert seers.any() and (~seers).any()
+    clean_o, clean_lse = attention_fwd_gluon_sm90_dflash(q, k, v, mask, scale)
+    k2, v2 = k.clone(), v.clone()
+    x = k2 if where == "k" else v2
+    x[:, [own, ctx], 0, 7] = value  # kv head 0: query heads 0 .. 3
+    o, lse = attention_fwd_gluon_sm90_dflash(q, k2, v2, mask, scale)
+    torch.cuda.synchronize()
+    hit = seers[..., None].expand(B, Tq, Hq).clone()  # [B, Tq, Hq]
+    hit[:, :, 4:] = False  # the other kv heads' rows never see it
+    if not (where == "k" and value == float("inf")):  # an infinite K element can give a score of -inf
+        assert (~o.isfinite()).any(-1)[hit].all(), "a row that sees a non-finite key or value stayed finite"
+    assert torch.equal(o[~hit], clean_o[~hit]), "a row that does not see the non-finite key changed"
+    assert torch.equal(lse.transpose(1, 2)[~hit], clean_lse.transpose(1, 2)[~hit])
+    assert o[~hit].isfinite().all()
+    ro, _ = _dense_reference(q, k, v, dense, scale)
+    err = rel_err(o[~hit], ro[~hit])
+    assert err < TOL[torch.bfloat16], f"o of the rows that do not see it: relative error {err:.2e}"
 
 
 def test_dflash_mask_checks():

@@ -133,15 +133,61 @@ def _softmax_step(s, m_i, l_i):
 
 
 @gluon.jit
+def _visible_values(v_smem, stage, dst, n, lo, hi, BN: gl.constexpr, D: gl.constexpr):
+    """Copy the V tile of keys ``[n, n + BN)`` in ring slot ``stage`` into slot ``dst`` of ``v_smem`` with the
+    rows of keys outside ``[lo, hi)`` set to 0 (a select: a NaN or Inf there does not survive), for a
+    warpgroup MMA to read. The caller has waited for the tile and for every MMA that read ``dst``."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+    # 32 keys at a time (16 registers a thread at D = 128): the whole tile at once spills at D = 128.
+    CH: gl.constexpr = 32
+    src = v_smem.index(stage).reshape([BN, D])
+    dst_buf = v_smem.index(dst).reshape([BN, D])
+    r = gl.arange(0, CH, gl.SliceLayout(1, layout))  # the same registers for every piece
+    for c in gl.static_range(BN // CH):
+        x = src.slice(c * CH, CH).load(layout)
+        first = n + c * CH  # key of the piece's row 0: row r is visible iff lo <= first + r < hi
+        vis = gl.expand_dims((r >= lo - first) & (r < hi - first), 1)
+        dst_buf.slice(c * CH, CH).store(gl.where(vis, x, gl.zeros_like(x)))
+    # The MMA reads the copy through the async proxy, after every thread of the warpgroup has written its part.
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _confine_values(v_smem, v_ready, j, stage, phase, start0, n0, start1, lo0, hi0, lo1, hi1, OWN: gl.constexpr,
+                    BN: gl.constexpr, D: gl.constexpr):
+    """The ``v_smem`` slot ``O += P V`` of tile ``j`` (in ring slot ``stage``) reads: the ring's, or for a tile
+    whose scores the warpgroup masks, ``OWN`` after copying the tile there with the keys it does not see zeroed
+    (``_visible_values``). Called when no MMA of the warpgroup reads ``OWN``."""
+    n, lo, hi = _tile_keys(j, start0, n0, start1, lo0, hi0, lo1, hi1, BN)
+    masked = (n < lo) | (n + BN > hi)
+    if masked:
+        mbarrier.wait(v_ready.index(stage), phase)
+        _visible_values(v_smem, stage, OWN, n, lo, hi, BN, D)
+    return gl.where(masked, OWN, stage)
+
+
+@gluon.jit
 def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles, start0, n0, start1,
             lo0, hi0, lo1, hi1, row0, rows, qk_scale, WG: gl.constexpr, BN: gl.constexpr,
-            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+            NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+            CONFINE_V: gl.constexpr):
     """One consumer warpgroup's key loop over the ``n_tiles`` tiles of the ring (``_tile_keys`` maps them to
     keys): the unnormalised accumulator o [ROWS, D] fp32, the base-2 row max and the row sums. ``q`` is the
-    warpgroup's [ROWS, D] shared buffer; ``WG`` (0 or 1) its place in the ping-pong."""
+    warpgroup's [ROWS, D] shared buffer; ``WG`` (0 or 1) its place in the ping-pong.
+
+    ``CONFINE_V`` (not causal: every row of the warpgroup sees the same keys): ``v_smem`` holds two more slots
+    after the ring's ``NUM_STAGES``, slot ``NUM_STAGES + WG`` the warpgroup's own. On a tile whose scores are
+    masked, ``O += P V`` reads a copy of the V tile in that slot with the keys it does not see zeroed
+    (``_visible_values``), so that their ``P = 0`` never meets a non-finite value; tiles seen whole read the
+    ring. The copy is made in the step that issues that ``P V``, before the warpgroup waits for its turn (so
+    outside the ping-pong turn), when the previous ``P V``, the slot's last reader, has completed (each step
+    waits for its ``P V``). ``CONFINE_V = False`` compiles the loop as without it."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     dtype: gl.constexpr = q.dtype
+    gl.static_assert(not (CONFINE_V and CAUSAL), "CONFINE_V: visibility per key, not per row")
+    OWN: gl.constexpr = NUM_STAGES + WG  # CONFINE_V: the warpgroup's V slot
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -172,10 +218,16 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles
             phase = (j // NUM_STAGES) & 1
             prev = (j - 1) % NUM_STAGES
             prev_phase = ((j - 1) // NUM_STAGES) & 1
+            if CONFINE_V:
+                v_slot = _confine_values(v_smem, v_ready, j - 1, prev, prev_phase, start0, n0, start1, lo0, hi0,
+                                         lo1, hi1, OWN, BN, D)
             mbarrier.wait(my_turn, turn_phase)
             s = _issue_scores(q, k_smem, k_ready, stage, phase, ROWS, D, BN, s_layout)
             mbarrier.wait(v_ready.index(prev), prev_phase)
-            o = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), o, is_async=True)
+            if CONFINE_V:
+                o = warpgroup_mma(p, v_smem.index(v_slot).reshape([BN, D]), o, is_async=True)
+            else:
+                o = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), o, is_async=True)
             mbarrier.arrive(next_turn)
             turn_phase ^= 1
             # The two MMAs complete in order: one outstanding means the scores are done.
@@ -192,9 +244,15 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles
 
         last = (n_tiles - 1) % NUM_STAGES
         last_phase = ((n_tiles - 1) // NUM_STAGES) & 1
+        if CONFINE_V:
+            v_slot = _confine_values(v_smem, v_ready, n_tiles - 1, last, last_phase, start0, n0, start1, lo0, hi0,
+                                     lo1, hi1, OWN, BN, D)
         mbarrier.wait(my_turn, turn_phase)
         mbarrier.wait(v_ready.index(last), last_phase)
-        o = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), o, is_async=True)
+        if CONFINE_V:
+            o = warpgroup_mma(p, v_smem.index(v_slot).reshape([BN, D]), o, is_async=True)
+        else:
+            o = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), o, is_async=True)
         mbarrier.arrive(next_turn)
         o, p = warpgroup_mma_wait(0, deps=(o, p))
         mbarrier.arrive(v_empty.index(last))
@@ -230,7 +288,8 @@ def _consumer(q_desc, o_desc, lse_ptr, q_smem, k_smem, v_smem, q_ready, k_ready,
     mbarrier.wait(q_ready.index(WG), 0)
     # One walk over keys [0, Lk): segment slot 0 is [0, Lk), slot 1 unused.
     o, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles, 0, n_tiles, 0,
-                          0, Lk, 0, 0, row0, rows, qk_scale, WG, BN, NUM_STAGES, CAUSAL, s_layout, o_layout)
+                          0, Lk, 0, 0, row0, rows, qk_scale, WG, BN, NUM_STAGES, CAUSAL, s_layout, o_layout,
+                          False)
     o, lse = _finish_rows(o, m_i, l_i, o_layout)
     lse_row = (b * H + h).to(gl.int64) * Lq + rows
     gl.store(lse_ptr + lse_row, lse, mask=rows < Lq)

@@ -30,17 +30,23 @@ not with TMA. The 64 rows are ``q_block`` positions x ``GH`` heads, a box of a r
 zeroed otherwise); Q is read once per program, so the plain loads cost little. o goes back the same way:
 written into the Q buffer (no longer read), read in a coalesced register layout, stored with a row mask.
 
-Non-finite keys and values (compare ``_poison_seen`` in kernels.py and tests/ops/test_nonfinite.py): a
-non-finite K element makes only the scores of its key non-finite, and a consumer replaces the scores of keys
-it does not see by -inf, so K is confined to the rows that see it. V is not: the tiles a consumer multiplies
+Non-finite keys and values stay with the rows that see them (compare ``_poison_seen`` in kernels.py and
+tests/ops/test_nonfinite.py). A non-finite K element makes only the scores of its key non-finite, and a
+consumer replaces the scores of keys it does not see by -inf. V needs more: the tiles a consumer multiplies
 hold keys it does not see (the ragged end of a segment's last box, up to ``BN - 1`` keys past it, which for
 the context are later context keys and for the own block the next blocks' keys; and the other group's keys
-of the union), and inside the warpgroup MMA their ``P = 0`` times a non-finite value is NaN. So a NaN or Inf
-in V reaches the rows of every group whose loaded tiles hold it, not only of the groups that see it: this
-kernel does not give the portable forward's confinement guarantee (the portable kernel zeroes non-finite V
-in masked tiles before its dot and sets NaN afterwards on the rows that see one, ``_poison_seen``; here V
-stays in shared memory, read by both consumers, so neither may rewrite it). With finite inputs the outputs
-are the same.
+of the union), and inside the warpgroup MMA their ``P = 0`` times a non-finite value would be NaN. The ring's
+V tiles are read by both consumers, so neither may rewrite them; instead each consumer has one V slot of its
+own in shared memory (``v_smem``'s slots ``NUM_STAGES`` and ``NUM_STAGES + 1``), and on the tiles where it
+masks scores it copies the V tile there through registers with the rows of the keys it does not see set to 0
+(a select), and ``O += P V`` reads the copy (``_attend``'s ``CONFINE_V``, ``_visible_values``). Every row of a
+consumer sees the same keys, so zeroing whole key rows is exact. Tiles it sees whole read the ring as before.
+So the rows that do not see a non-finite key or value get exactly what they get without it. The rows that
+see it compute with it (the portable forward sets NaN there explicitly, ``_poison_seen``): a NaN in K or V or
+an infinite V element makes them non-finite; an infinite K element whose score comes out -inf acts as a
+masked key. The copies cost shared memory, two [BN, D] slots: 64 KiB at D = 128 (229,720 bytes in all, of
+sm_90's 232,448 per block) and 32 KiB at D = 64; and time only on masked tiles (the ragged ends and the keys
+between the two groups' ranges), 32 keys at a time, outside the consumer's ping-pong turn.
 
 Not wired into the op's dispatch: nothing imports this module but the tests and studies.
 """
@@ -117,7 +123,8 @@ def _dflash_consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, k_ready, k_e
 
     rows = gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
     o, m_i, l_i = _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles, start0, n0, start1,
-                          lo0, hi0, lo1, hi1, 0, rows, qk_scale, WG, BN, NUM_STAGES, False, s_layout, o_layout)
+                          lo0, hi0, lo1, hi1, 0, rows, qk_scale, WG, BN, NUM_STAGES, False, s_layout, o_layout,
+                          True)
     o, lse = _finish_rows(o, m_i, l_i, o_layout)
 
     t_s = g * BQ + rows // GH
@@ -169,7 +176,8 @@ def _dflash_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, segments, seg_c
 
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, ROWS, D], k_desc.layout)  # K's swizzle: same D
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # V: the ring's stages, then one slot per consumer for its masked tiles' copies (_attend's CONFINE_V).
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES + 2] + v_desc.block_type.shape, v_desc.layout)
     k_ready, k_empty, v_ready, v_empty, turn = _init_ring(NUM_STAGES)
     # The barriers are completed by TMA (the async proxy): make their initialisation visible to it.
     fence_async_shared()
