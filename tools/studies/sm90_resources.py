@@ -50,9 +50,18 @@ def compile_resources(fn, arg_types: dict, constexprs: dict, num_warps: int, num
     out = {"shared": compiled.metadata.shared}
     if not machine_code:
         return out
+    out.update(cubin_resources(compiled.asm["cubin"]))
+    return out
+
+
+def cubin_resources(cubin: bytes) -> dict:
+    """Registers per thread, local-memory stack and spill stores / loads (STL / LDL in the SASS) of a compiled
+    kernel's cubin, read with the cuobjdump that ships with Triton: ``{"regs", "stack", "stl", "ldl"}``."""
+    import triton
+
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
+        f.write(cubin)
     try:
         usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
@@ -61,9 +70,8 @@ def compile_resources(fn, arg_types: dict, constexprs: dict, num_warps: int, num
     finally:
         os.unlink(f.name)
     fields = dict(item.split(":") for item in usage.split() if ":" in item and item.split(":")[1].isdigit())
-    out.update(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)), stl=sass.count("STL"),
-               ldl=sass.count("LDL"))
-    return out
+    return dict(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)), stl=sass.count("STL"),
+                ldl=sass.count("LDL"))
 
 
 def _types(params, fp32=(), i32=(), u8=(), scalars_fp32=()):

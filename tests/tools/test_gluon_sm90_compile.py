@@ -1,0 +1,63 @@
+"""The Gluon sm_90 attention forwards (dense: kernels_gluon_sm90.py; DFlash mask: kernels_gluon_sm90_dflash.py)
+compile for Hopper on the CPU with the structure they are written for (tools/studies/gluon_sm90_compile.py):
+one warp-specialized region with register rebalancing, the expected number of warpgroup MMAs, TMA copies, no
+spills, shared memory within sm_90's limit.
+
+Compiled in a subprocess without TRITON_INTERPRET (interpreted kernels cannot be compiled), so this runs in
+the CPU suite too. The GPU test of the kernel's results is tests/ops/test_attention_gluon_sm90.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import H200_SHARED_MEMORY
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def reports():
+    code = ("import json; from tools.studies.gluon_sm90_compile import report; "
+            "print(json.dumps({f'{D} {c}': report(D, c) for D, c in "
+            "((64, False), (128, True), (128, 'dflash'), (64, 'dflash'))}))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("build", ["64 False", "128 True"], ids=["D64_full", "D128_causal"])
+def test_compiles_warp_specialized(reports, build):
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import tile_config
+
+    r = reports[build]
+    D = int(build.split()[0])
+    BN = tile_config(D)["BN"]
+    assert r["shared"] <= H200_SHARED_MEMORY
+    assert r["stl"] == 0 and r["ldl"] == 0, f"register spills: {r}"
+    assert r["ws_regions"] == 1 and r["setmaxnreg"] > 0, f"no warp-specialized region with setmaxnreg: {r}"
+    # Two consumers, each issuing S = Q K^T (D / 16 instructions of K = 16) and O += P V (BN / 16) at two sites
+    # (the first tile's scores, the loop's pair, the last tile's P V).
+    assert r["wgmma"] == 2 * 2 * (D // 16 + BN // 16), r
+    assert r["tma"] >= 4 and r["mbarrier"] > 0, r
+
+
+@pytest.mark.parametrize("D", [128, 64], ids=lambda d: f"D{d}")
+def test_dflash_compiles_warp_specialized(reports, D):
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import tile_config
+
+    r = reports[f"{D} dflash"]
+    BN = tile_config(D)["BN"]
+    assert r["shared"] <= H200_SHARED_MEMORY
+    assert r["stl"] == 0 and r["ldl"] == 0, f"register spills: {r}"
+    assert r["ws_regions"] == 1 and r["setmaxnreg"] > 0, f"no warp-specialized region with setmaxnreg: {r}"
+    # The dense kernel's consumer loop (_attend): the same MMA sites in both consumers.
+    assert r["wgmma"] == 2 * 2 * (D // 16 + BN // 16), r
+    # TMA only in the producer's K and V loads (Q and o go through plain loads and stores); a box row of D bf16
+    # wider than the 128-byte swizzle is copied as 128-byte column pieces (two at D = 128).
+    assert r["tma"] == 2 * (D * 2 // 128) and r["mbarrier"] > 0, r

@@ -1,0 +1,119 @@
+"""The warp-specialized Gluon forwards (``kernels_gluon_sm90.py`` dense, ``kernels_gluon_sm90_dflash.py`` for
+the DFlash mask; neither chosen by the dispatch) on a GPU of compute capability 9.0: each one's output
+against a peer's, then its time against the peers.
+
+    python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick] [--only dense|dflash]
+
+Shapes (bf16, D = 128): dense causal B=2, H=32, L=8192 (the attention issue's SDPA comparison), the same
+without the mask, and causal B=4, L=4096 with GQA (32 query heads over 8 kv heads). Per shape one JSON row:
+the relative Frobenius error of o against ``scaled_dot_product_attention`` (a self-check: the tests hold the
+fp32 bounds), then ``do_bench`` medians of the Gluon forward, SDPA, and, for the causal shapes, the portable
+``block_sparse_attention`` with ``causal_block_mask`` (forward only, no autograd; its tuning as the runtime
+finds it). Effective TFLOP/s count visible pairs only (``4 * D * H * pairs``). Rows are printed and appended
+to FILE when given.
+
+DFlash shapes (bf16, D = 128, S = 3072 context, N = 512 anchors: q ``[B, 8192, 32, 128]``, k / v
+``[B, 3072 + 8192, 8, 128]``; B = 1 and 4, window None and 2048): the inputs, sorted anchors and mask exactly
+as ``benchmarks/bench_attention.py`` builds them (its ``_shape_inputs``). Per shape one row: the relative
+Frobenius error of o against the portable forward and whether the same rows see nothing, then ``do_bench``
+medians of the Gluon DFlash forward (its mask check, a device synchronisation, run once before the clock)
+and of ``block_sparse_attention`` (forward only, no autograd; its tuning as the runtime finds it), and
+TFLOP/s over visible pairs as bench_attention counts them (``4 * D * Hq * visible_pairs``).
+
+A forward that hangs (the prototype's barriers never ran on a GPU before) is cut by the
+caller's timeout: run it under ``timeout``.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+
+SHAPES = [dict(B=2, H=32, Hkv=32, L=8192, D=128, causal=True), dict(B=2, H=32, Hkv=32, L=8192, D=128, causal=False),
+          dict(B=4, H=32, Hkv=8, L=4096, D=128, causal=True)]
+DFLASH_SHAPES = [dict(B=B, S=3072, N=512, Hq=32, Hkv=8, D=128, window=w) for B in (1, 4) for w in (None, 2048)]
+
+
+def run(shape, quick=False):
+    from dflash_kernels import block_sparse_attention, causal_block_mask
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
+
+    B, H, Hkv, L, D, causal = (shape[k] for k in ("B", "H", "Hkv", "L", "D", "causal"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, L, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(B, L, Hkv, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    scale = D ** -0.5
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=Hkv != H)
+
+    o, _ = attention_fwd_gluon_sm90(q, k, v, causal, scale)
+    ref = sdpa().transpose(1, 2).float()
+    row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, **shape,
+           "rel_err_vs_sdpa": ((o.float() - ref).norm() / ref.norm()).item()}
+    reps = dict(warmup=10, rep=50) if quick else {}
+    row["gluon_ms"] = do_bench(lambda: attention_fwd_gluon_sm90(q, k, v, causal, scale), **reps)
+    row["sdpa_ms"] = do_bench(sdpa, **reps)
+    if causal:
+        mask = causal_block_mask(L, device="cuda")
+        with torch.no_grad():
+            block_sparse_attention(q, k, v, mask)  # compiled and tuned before the clock
+            row["portable_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, mask), **reps)
+    pairs = B * H * (L * (L + 1) // 2 if causal else L * L)
+    for key in [x for x in row if x.endswith("_ms")]:
+        row[key[:-3] + "_TFLOPs"] = 4 * D * pairs / row[key] / 1e9
+    return row
+
+
+def run_dflash(shape, quick=False):
+    from benchmarks.bench_attention import _shape_inputs
+    from dflash_kernels import block_sparse_attention
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import attention_fwd_gluon_sm90_dflash
+
+    _, q, k, v, _, mask, pairs = _shape_inputs(shape, torch.device("cuda"), torch.bfloat16)
+    q, k, v = (x.detach() for x in (q, k, v))
+    scale = shape["D"] ** -0.5
+    o, lse = attention_fwd_gluon_sm90_dflash(q, k, v, mask, scale)  # checks the mask's form once
+    with torch.no_grad():
+        po, plse = block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)  # compiled and tuned
+    row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mask": "dflash", **shape,
+           "visible_pairs": pairs, "rel_err_vs_portable": ((o.float() - po.float()).norm() / po.float().norm()).item(),
+           "same_unseen_rows": bool(torch.equal(lse.isinf(), plse.isinf()))}
+    reps = dict(warmup=10, rep=50) if quick else {}
+    row["gluon_ms"] = do_bench(lambda: attention_fwd_gluon_sm90_dflash(q, k, v, mask, scale, check_mask=False),
+                               **reps)
+    with torch.no_grad():
+        row["portable_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, mask, scale=scale), **reps)
+    for key in [x for x in row if x.endswith("_ms")]:
+        row[key[:-3] + "_TFLOPs"] = 4 * shape["D"] * shape["Hq"] * pairs / row[key] / 1e9
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", metavar="FILE", help="append the rows to FILE as JSON lines")
+    parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    parser.add_argument("--only", choices=("dense", "dflash"), help="run one kernel's shapes only")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        raise SystemExit("attention_gluon_sm90: needs a GPU of compute capability 9.0 (H100 / H200)")
+    runs = [(run, x) for x in SHAPES] if args.only != "dflash" else []
+    runs += [(run_dflash, x) for x in DFLASH_SHAPES] if args.only != "dense" else []
+    for fn, shape in runs:
+        row = fn(shape, args.quick)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Compile the warp-specialized Gluon attention forwards for sm_90 on the CPU: the dense one
+(kernels_gluon_sm90.py) and the DFlash-mask one (kernels_gluon_sm90_dflash.py).
+
+    python -m tools.studies.gluon_sm90_compile [--dump DIR]
+
+Builds D = 64 and 128, bf16, with the launchers' tile config and launch options: dense causal and not, and
+DFlash at GQA 4 with 16-position groups (64 live rows per consumer; the other GQA ratios change only
+constants of the row arithmetic), through
+Triton's own toolchain (ptxas and cuobjdump ship with the wheel; no GPU). Per build one line: the shared
+memory the launch needs (sm_90 allows 232,448 bytes per block), registers per thread (the launch value:
+``setmaxnreg`` moves them between the partitions afterwards), the local-memory stack and the spill stores /
+loads of the SASS, then counts from the PTX that show the structure: ``wgmma.mma_async`` instructions (the
+warpgroup MMAs), ``cp.async.bulk.tensor`` (TMA copies: loads and the o store), ``mbarrier`` operations, and
+``setmaxnreg`` (the partitions' register budgets). The TTGIR's ``ttg.warp_specialize`` count is the number
+of warp-specialized regions. ``--dump DIR`` writes each build's TTGIR and PTX there.
+
+Run without TRITON_INTERPRET: interpreted kernels cannot be compiled.
+"""
+
+import argparse
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repository
+
+from tools.studies.sm90_resources import H200_SHARED_MEMORY, cubin_resources  # noqa: E402
+
+
+def compile_gluon_attention(D: int, causal: bool, dtype=None):
+    """The compiled kernel (``triton.compile``'s result) for head dim ``D``, as the launcher would launch it
+    at bf16 (or ``dtype``). The descriptors' types are those of the launcher's own descriptors over
+    placeholder CPU tensors (a type string holds the block shape and shared layout, not the address)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dflash_kernels.ops.attention import kernels_gluon_sm90 as G
+
+    dtype = dtype or torch.bfloat16
+    cfg = G.tile_config(D)
+    x = torch.empty(1, cfg["BN"], 2, D, dtype=dtype)
+    q_desc, kv_desc = G.descriptor(x, G.BMW), G.descriptor(x, cfg["BN"])
+    fn = G._attention_fwd_ws_kernel
+    sig = {"q_desc": mangle_type(q_desc), "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc),
+           "o_desc": mangle_type(q_desc), "lse_ptr": "*fp32", "B": "i32", "Lq": "i32", "Lk": "i32", "H": "i32",
+           "GROUP": "i32", "qk_scale": "fp32"}
+    constexprs = {"BN": cfg["BN"], "NUM_STAGES": cfg["NUM_STAGES"], "CAUSAL": causal,
+                  "CONSUMER_REGS": G.CONSUMER_REGS, "PRODUCER_REGS": G.PRODUCER_REGS}
+    sig.update({name: "constexpr" for name in constexprs})
+    assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
+    attrs = {(list(sig).index("lse_ptr"), ): [["tt.divisibility", 16]]}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": G.MAXNREG})
+
+
+def compile_gluon_dflash(D: int, G: int = 4, q_block: int = 16, dtype=None):
+    """The compiled DFlash-mask kernel for head dim ``D``, GQA group ``G`` and ``q_block``-position groups,
+    as its launcher would launch it at bf16 (or ``dtype``)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dflash_kernels.ops.attention import kernels_gluon_sm90 as G_
+    from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash as GD
+
+    dtype = dtype or torch.bfloat16
+    cfg = G_.tile_config(D)
+    x = torch.empty(1, cfg["BN"], 2, D, dtype=dtype)
+    kv_desc = G_.descriptor(x, cfg["BN"])
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    fn = GD._dflash_fwd_ws_kernel
+    sig = {"q_ptr": ptr, "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc), "o_ptr": ptr,
+           "lse_ptr": "*fp32", "segments": "*i32", "seg_count": "*i32", "Tq": "i32", "NG": "i32", "MS": "i32",
+           "MB": "i32", "Hq": "i32", "Hkv": "i32", "NBH": "i32", "qk_scale": "fp32"}
+    constexprs = {"G": G, "BQ": q_block, "GH": GD.gluon_dflash_rows(q_block, G), "BN": cfg["BN"],
+                  "NUM_STAGES": cfg["NUM_STAGES"], "CONSUMER_REGS": G_.CONSUMER_REGS,
+                  "PRODUCER_REGS": G_.PRODUCER_REGS}
+    sig.update({name: "constexpr" for name in constexprs})
+    assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
+    # The launcher's tensors are torch allocations (16-byte aligned); D and Hq * D make the row offsets
+    # multiples of 8 elements.
+    attrs = {(list(sig).index(n), ): [["tt.divisibility", 16]] for n in ("q_ptr", "o_ptr", "lse_ptr", "segments",
+                                                                          "seg_count")}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": G_.MAXNREG})
+
+
+def structure_counts(ptx: str, ttgir: str) -> dict:
+    """How many of each instruction that shows the kernel's structure the PTX holds."""
+    return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+            "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+            "mbarrier": len(re.findall(r"\bmbarrier\.", ptx)),
+            "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
+            "ws_regions": ttgir.count("ttg.warp_specialize(")}
+
+
+def report(D: int, causal, dump: str = None) -> dict:
+    """One build's resources (``cubin_resources`` and the launch's shared memory) and structure counts; with
+    ``dump``, its TTGIR and PTX written into that folder. ``causal``: False or True for the dense kernel,
+    ``"dflash"`` for the DFlash-mask kernel."""
+    compiled = compile_gluon_dflash(D) if causal == "dflash" else compile_gluon_attention(D, causal)
+    ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        tag = {False: "full", True: "causal", "dflash": "dflash"}[causal]
+        for ext in ("ttgir", "ptx"):
+            with open(os.path.join(dump, f"D{D}_{tag}.{ext}"), "w") as f:
+                f.write(compiled.asm[ext])
+    return {"shared": compiled.metadata.shared, **cubin_resources(compiled.asm["cubin"]),
+            **structure_counts(ptx, ttgir)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dump", metavar="DIR", help="write each build's TTGIR and PTX into DIR")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("gluon_sm90_compile: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    import triton
+
+    from dflash_kernels.ops.attention import kernels_gluon_sm90 as G
+
+    print(f"triton {triton.__version__}, sm_90, bf16, BM {G.BM} (2 consumer warpgroups x {G.BMW} rows) + "
+          f"1 producer warp, maxnreg {G.MAXNREG}, setmaxnreg consumers {G.CONSUMER_REGS} / producer "
+          f"{G.PRODUCER_REGS}; regs: per thread at launch")
+    print(f"{'build':24s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
+          f"{'TMA':>4s} {'mbar':>5s} {'setmaxnreg':>10s} {'ws':>3s}")
+    failed = False
+    for D in (64, 128):
+        for causal in (False, True, "dflash"):
+            cfg = G.tile_config(D)
+            tag = {False: "full", True: "causal", "dflash": "dflash G4"}[causal]
+            name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
+            try:
+                r = report(D, causal, args.dump)
+            except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash
+                failed = True
+                while e.__cause__ is not None:  # a CompilationError wraps the error of the innermost call
+                    e = e.__cause__
+                print(f"{name:24s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
+                continue
+            fits = "" if r["shared"] <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
+            print(f"{name:24s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
+                  f"{r['wgmma']:>6d} {r['tma']:>4d} {r['mbarrier']:>5d} {r['setmaxnreg']:>10d} "
+                  f"{r['ws_regions']:>3d}{fits}", flush=True)
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
