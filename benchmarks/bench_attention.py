@@ -38,8 +38,10 @@ from bench_common import bench_ms, peak_mib, run_rows  # noqa: E402
 
 SHAPES = [
     dict(B=4, S=3072, N=512, Hq=32, Hkv=8, D=128, window=None),
-    dict(B=4, S=4096, N=512, Hq=32, Hkv=8, D=128, window=None),
+    dict(B=1, S=3072, N=512, Hq=32, Hkv=8, D=128, window=None),
     dict(B=4, S=3072, N=512, Hq=32, Hkv=8, D=128, window=2048),
+    dict(B=1, S=3072, N=512, Hq=32, Hkv=8, D=128, window=2048),
+    dict(B=4, S=4096, N=512, Hq=32, Hkv=8, D=128, window=None),
 ]
 CPU_SHAPE = dict(B=1, S=45, N=3, Hq=4, Hkv=1, D=64, window=None)  # checks the job runs; says nothing of speed
 BLOCK = 16  # DFlash draft block size
@@ -88,6 +90,20 @@ def _shape_inputs(s, device, dtype):
     return anchors, q, k, v, do, mask, int(mask.visible_pairs().sum())
 
 
+def _ours_label(q, k, v, mask) -> dict:
+    """Our rows' ``impl`` ("dflash_kernels", with the backend when one is set: ``DFLASH_KERNELS_BACKEND=
+    attention=portable`` times the portable kernels on a GPU where the default runs a Hopper forward) and the
+    forward kernel that runs (``forward_path``)."""
+    from dflash_kernels import get_backend
+    from dflash_kernels.ops.attention.attention import _attention, forward_path
+
+    backend = get_backend("attention")
+    impl = "dflash_kernels" if backend == "auto" else f"dflash_kernels (backend {backend})"
+    resolved = _attention.backend(q.device)
+    path = forward_path(q, k, v, mask, resolved) if resolved in ("triton", "portable", "interpret") else resolved
+    return {"impl": impl, "forward": path}
+
+
 def _bench_shape(s, device, dtype, quick, with_flex):
     from dflash_kernels.ops.attention import block_sparse_attention, dflash_block_mask
 
@@ -97,7 +113,7 @@ def _bench_shape(s, device, dtype, quick, with_flex):
     flops = 4 * D * Hq * pairs
     base = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs}
 
-    ours = {**base, "impl": "dflash_kernels"}
+    ours = {**base, **_ours_label(q, k, v, mask)}
     ours["mask_ms"] = bench_ms(lambda: dflash_block_mask(anchors, S, BLOCK, window=W), quick,
                                device.type == "cuda")
 
@@ -421,10 +437,11 @@ def _peer_ratios(rows: list) -> None:
 DENSE_SHAPE = dict(B=2, T=8192, H=32, D=128)
 
 
-def _bench_dense_causal(device, dtype, quick) -> list:
+def _bench_dense_causal(device, dtype, quick, with_ours=False, with_sdpa=True) -> list:
     """Dense causal SDPA through each fused backend torch offers, forward and fwd+bwd, with the same
     effective-FLOP count (visible pairs: T (T + 1) / 2 per sequence and head): what a block-sparse
-    kernel's effective TFLOP/s can be compared with."""
+    kernel's effective TFLOP/s can be compared with; with ``with_ours`` first our op under
+    ``causal_block_mask`` on the same inputs (the dense causal case of the op)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
@@ -433,6 +450,30 @@ def _bench_dense_causal(device, dtype, quick) -> list:
     do = torch.randn(B, H, T, D, device=device, dtype=dtype)
     flops = 4 * D * H * B * (T * (T + 1) // 2)
     rows = []
+    if with_ours:  # block_sparse_attention under causal_block_mask, on [B, T, H, D] copies of the same inputs
+        from dflash_kernels.ops.attention import block_sparse_attention, causal_block_mask
+
+        qo, ko, vo = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        doo = do.transpose(1, 2).contiguous()
+        mask = causal_block_mask(T, q_block=64, device=device)
+        row = {"op": "attention", "shape": f"B={B},T={T},H={H},D={D},causal dense", "dtype": str(dtype),
+               "visible_pairs": B * T * (T + 1) // 2, **_ours_label(qo, ko, vo, mask)}
+
+        def fwd():
+            with torch.no_grad():
+                block_sparse_attention(qo, ko, vo, mask)
+
+        def fwd_bwd():
+            torch.autograd.grad(block_sparse_attention(qo, ko, vo, mask), (qo, ko, vo), doo)
+
+        try:
+            fwd_bwd()
+            _measure(row, fwd, fwd_bwd, flops, quick, device)
+        except Exception as e:  # noqa: BLE001 - report, keep the run going
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        if not with_sdpa:
+            return rows
     for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
         row = {"op": "attention", "shape": f"B={B},T={T},H={H},D={D},causal dense",
                "dtype": str(dtype), "visible_pairs": B * T * (T + 1) // 2, "impl": f"sdpa {name.lower()}"}
@@ -476,14 +517,14 @@ def run(device, quick: bool, impls=None, peer_timeout_s: float = PEER_TIMEOUT_S)
         for s in shapes:
             new = _bench_shape(s, device, dtype, quick, with_flex=device.type == "cuda" and "flex" in impls)
             if "dflash_kernels" not in impls:
-                new = [r for r in new if r["impl"] != "dflash_kernels"]
+                new = [r for r in new if not r["impl"].startswith("dflash_kernels")]
             for r in new:  # as soon as measured: a run cut short by a time limit keeps its rows in the log
                 print("ROW", json.dumps(r), flush=True)
             rows += new
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if device.type == "cuda" and "sdpa" in impls:
-        for r in _bench_dense_causal(device, dtype, quick):
+    if device.type == "cuda" and ("sdpa" in impls or "dflash_kernels" in impls):
+        for r in _bench_dense_causal(device, dtype, quick, "dflash_kernels" in impls, "sdpa" in impls):
             print("ROW", json.dumps(r), flush=True)
             rows.append(r)
     for impl in PEER_IMPLS:

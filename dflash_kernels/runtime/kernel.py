@@ -54,14 +54,32 @@ def _no_fast_spec(*args):
     return None
 
 
+def _gluon_descriptor_type():
+    try:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError:  # pragma: no cover - a Triton without Gluon
+        return None
+    return TensorDescriptor
+
+
+_GluonDescriptor = _gluon_descriptor_type()
+_LAYOUT_FIELDS = ("swizzle_byte_width", "element_bitwidth", "rank", "transposed", "fp4_padded")
+
+
 def describe_launch(args, constexprs):
-    """A launch's signature as JSON: per runtime argument ``["T", dtype, 16-byte aligned]`` (a tensor), ``["I",
-    value]``, ``["F", value]``, ``["B", value]`` or ``["N"]``; the constexprs by name. None when an argument or
-    constexpr is of another type (such a launch is not recorded)."""
+    """A launch's signature as JSON: per runtime argument ``["T", dtype, 16-byte aligned]`` (a tensor), ``["D",
+    dtype, block shape, shared layout fields, padding]`` (a Gluon TMA descriptor: what Triton specializes it on),
+    ``["I", value]``, ``["F", value]``, ``["B", value]`` or ``["N"]``; the constexprs by name. None when an
+    argument or constexpr is of another type (such a launch is not recorded)."""
     out = []
     for a in args:
         if isinstance(a, torch.Tensor):
             out.append(["T", str(a.dtype).replace("torch.", ""), a.data_ptr() % 16 == 0])
+        elif _GluonDescriptor is not None and type(a) is _GluonDescriptor:
+            if a.layout.cga_layout:
+                return None
+            out.append(["D", str(a.base.dtype).replace("torch.", ""), list(a.block_shape),
+                        {f: getattr(a.layout, f) for f in _LAYOUT_FIELDS}, a.padding])
         elif a is None:
             out.append(["N"])
         elif type(a) is bool:
@@ -89,6 +107,15 @@ def _mock_arg(desc):
     if kind == "T":
         dtype = getattr(torch, desc[1])
         return MockTensor(dtype) if desc[2] else _UnalignedMock(dtype)
+    if kind == "D":  # a descriptor over a stand-in of its block's own shape: Triton reads dtype, box and layout
+        from triton.experimental.gluon.language import NVMMASharedLayout
+
+        _, dtype, block, layout, padding = desc
+        strides = [1] * len(block)
+        for i in range(len(block) - 2, -1, -1):
+            strides[i] = strides[i + 1] * max(block[i + 1], 8)
+        return _GluonDescriptor(MockTensor(getattr(torch, dtype)), list(block), strides, list(block),
+                                NVMMASharedLayout(**layout), padding)
     return None if kind == "N" else desc[1]
 
 
@@ -105,20 +132,31 @@ def _active(hook):
 
 
 class Config:
-    """One tuning candidate: constexpr block sizes plus the ``num_warps`` / ``num_stages`` launch options."""
+    """One tuning candidate: constexpr block sizes plus the ``num_warps`` / ``num_stages`` launch options, and
+    ``maxnreg`` (registers per thread at launch) for kernels that set it, as the warp-specialized Gluon kernels
+    do (their partitions then redistribute them with ``setmaxnreg``)."""
 
-    def __init__(self, num_warps: int = 4, num_stages: int = 2, **meta):
+    def __init__(self, num_warps: int = 4, num_stages: int = 2, maxnreg: int | None = None, **meta):
         self.meta = meta
         self.num_warps = num_warps
         self.num_stages = num_stages
+        self.maxnreg = maxnreg
+
+    def launch_options(self) -> dict:
+        """The compile options of ``warmup``: ``maxnreg`` only where set (an unset one is not an option)."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
 
     def as_dict(self) -> dict:
-        return {**self.meta, "num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {**self.meta, **self.launch_options()}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Config":
         d = dict(d)
-        return cls(num_warps=d.pop("num_warps", 4), num_stages=d.pop("num_stages", 2), **d)
+        return cls(num_warps=d.pop("num_warps", 4), num_stages=d.pop("num_stages", 2), maxnreg=d.pop("maxnreg", None),
+                   **d)
 
     def __repr__(self):
         return "Config(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
@@ -378,8 +416,7 @@ class TritonKernel:
             meta = {**signature["constexprs"], **config.meta}
             try:
                 with on_device(dev):
-                    out.append(self.fn.warmup(*args, *self._full_meta(meta), grid=(1,), num_warps=config.num_warps,
-                                              num_stages=config.num_stages))
+                    out.append(self.fn.warmup(*args, *self._full_meta(meta), grid=(1,), **config.launch_options()))
             except OutOfResources:
                 pass
         return out
@@ -420,8 +457,8 @@ class TritonKernel:
             meta = {**constexprs, **config.meta}
             try:
                 with on_device(dev):
-                    self.fn.warmup(*args, *self._full_meta(meta), grid=(1,), num_warps=config.num_warps,
-                                   num_stages=config.num_stages)._init_handles()  # the launcher too
+                    self.fn.warmup(*args, *self._full_meta(meta), grid=(1,),
+                                   **config.launch_options())._init_handles()  # the launcher too
                 entry.compiles += 1
             except OutOfResources:  # not a candidate on this GPU: the main process skips it too
                 pass
@@ -446,8 +483,7 @@ class TritonKernel:
 
         tail = self._full_meta(meta)
         with on_device(dev):
-            compiled = self.fn.warmup(*args, *tail, grid=(1,), num_warps=config.num_warps,
-                                      num_stages=config.num_stages)
+            compiled = self.fn.warmup(*args, *tail, grid=(1,), **config.launch_options())
             compiled._init_handles()
         run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
 

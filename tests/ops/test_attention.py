@@ -416,3 +416,93 @@ def test_threads_with_checkpoint_gpu():
     for i in range(3):
         for a, b in zip(results[i], run(*shapes[i])):
             assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------- the Hopper forwards' dispatch
+def test_forward_choice_by_mask_form_dtype_and_gpu():
+    """``choose_forward``: the Hopper forwards for the masks, dtypes, head dims and GPUs they take, the portable
+    one for everything else (the rule, checked on the CPU; the GPU tests below check what runs)."""
+    import dataclasses
+
+    from dflash_kernels.ops.attention.attention import choose_forward
+
+    anchors = torch.tensor([[3, 9, 20]])
+    dflash = dflash_block_mask(anchors, 24, 16)
+    causal = causal_block_mask(40, q_block=64)
+    bf16, ok = torch.bfloat16, (True, True)
+    assert choose_forward(9, bf16, 128, 4, ok, dflash) == "gluon_sm90_dflash"
+    assert choose_forward(9, torch.float16, 64, 8, ok, dflash) == "gluon_sm90_dflash"
+    assert choose_forward(9, bf16, 128, 4, ok, causal) == "gluon_sm90_causal"
+    assert choose_forward(9, bf16, 128, 1, ok, causal) == "gluon_sm90_causal"
+    portable = [
+        (8, bf16, 128, 4, ok, dflash),  # not Hopper
+        (10, bf16, 128, 4, ok, dflash),
+        (None, bf16, 128, 4, ok, dflash),  # not a CUDA input under backend triton
+        (9, torch.float32, 128, 4, ok, dflash),
+        (9, bf16, 256, 4, ok, dflash),
+        (9, bf16, 128, 2, ok, dflash),  # 16 x 2 rows: half a warpgroup
+        (9, bf16, 128, 4, (False, True), dflash),  # k / v not 16-byte aligned
+        (9, bf16, 128, 4, (True, False), causal),  # q not aligned: the dense kernel reads it by TMA
+        (9, bf16, 128, 4, ok, dflash_block_mask(anchors, 24, 8)),  # 8-token blocks: 32 rows
+        (9, bf16, 128, 4, ok, dataclasses.replace(dflash, form="general")),
+    ]
+    for args in portable:
+        assert choose_forward(*args) == "portable", args[:4]
+    t, kv = torch.arange(40)[:, None], torch.arange(50)[None, :]
+    flex = from_flex_block_mask(_flex_block_mask(lambda b, h, q, k: k <= q, 40, 50))
+    assert flex.form == "general" and choose_forward(9, bf16, 128, 4, ok, flex) == "portable"
+    assert dflash.to("cpu").form == "dflash" and torch.equal(naive_dense_mask(flex)[0], kv <= t)
+
+
+def _flex_block_mask(mask_mod, Tq, Tk):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, None, None, Tq, Tk, device="cpu", BLOCK_SIZE=16)
+
+
+def _hopper():
+    return DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forwards run on sm_90 GPUs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("form", ["dflash", "dflash-window-batch1mask", "causal"])
+def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
+    """On an sm_90 GPU backend ``triton`` runs the Gluon forward for DFlash and causal masks (its kernel is
+    launched: it shows in the kernel cache), with outputs, lse and every gradient (the portable backward on
+    its o and lse) against the fp32 reference, and against backend ``portable`` on the same inputs."""
+    from dflash_kernels import set_backend
+    from dflash_kernels.ops.attention import kernels_gluon_sm90, kernels_gluon_sm90_dflash
+
+    g = torch.Generator().manual_seed(D)
+    if form == "causal":
+        B, Tq, Tk, Hq, Hkv = 2, 333, 401, 6, 2
+        mask, dense = causal_block_mask(Tq, Tk, q_block=64, device=DEVICE), None
+        kernel = kernels_gluon_sm90.attention_fwd_gluon_kernel
+    else:
+        B, S, N, Hq, Hkv = 2, 555, 37, 8, 2
+        window = 200 if "window" in form else None
+        MB = 1 if "batch1" in form else B
+        anchors = torch.sort(torch.randint(0, S + 1, (MB, N), generator=g), dim=1).values
+        anchors[0, 0], anchors[-1, -1] = 0, S
+        valid = torch.ones(MB, N, dtype=torch.bool)
+        valid[-1, 3] = False
+        anchors, valid = anchors.to(DEVICE), valid.to(DEVICE)
+        mask = dflash_block_mask(anchors, S, 16, window=window, valid=valid)
+        dense = dflash_dense_mask(anchors, S, 16, window=window, valid=valid).expand(B, -1, -1)
+        Tq, Tk = N * 16, S + N * 16
+        kernel = kernels_gluon_sm90_dflash.attention_fwd_gluon_dflash_kernel
+    q, k, v, do = make_qkv(B, Tq, Tk, Hq, Hkv, D, dtype, seed=D)
+    kernel.reset()
+    o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype, dense=dense)
+    assert kernel.cache_info(), "the Gluon forward did not run"
+    set_backend("attention", "portable")
+    try:
+        kernel.reset()
+        po, plse = block_sparse_attention(q, k, v, mask, return_lse=True)
+        assert not kernel.cache_info(), "backend 'portable' ran the Gluon forward"
+    finally:
+        set_backend("attention", "auto")
+    assert rel_err(o, po) < TOL[dtype] and torch.equal(lse.isinf(), plse.isinf())

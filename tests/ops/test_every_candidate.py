@@ -67,7 +67,7 @@ assert KERNELS, "no TritonKernel found in dflash_kernels/ops/*/kernels*.py"
 # Names the discovery must find (a kernel renamed or no longer found by the walk fails the test below).
 KNOWN = {
     "block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv", "block_sparse_attn_bwd_pre",
-    "mask_rev_count", "mask_rev_fill",
+    "block_sparse_attn_fwd_gluon_sm90", "block_sparse_attn_fwd_gluon_sm90_dflash", "mask_rev_count", "mask_rev_fill",
     "causal_conv1d_fwd", "causal_conv1d_bwd", "causal_conv1d_update",
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
@@ -101,21 +101,52 @@ def _grads(out, leaves, go):
 # Each driver runs the public op at one size ("real" or "odd") in ``dtype`` and checks it; the op's own
 # test module gives the inputs and the tolerances.
 
-def _attention(size, dtype):
+def _attention_dflash(size, dtype, backend, Hq=None):
+    import dflash_kernels as dk
     from dflash_kernels.ops.attention import dflash_block_mask
     from tests.ops.test_attention import check_against_reference, dflash_dense_mask, make_qkv
 
-    B, S, N, Hq, Hkv, window = (1, 2048, 128, 8, 2, None) if size == "real" else (1, 1001, 37, 6, 2, 333)
+    B, S, N, Hq_, Hkv, window = (1, 2048, 128, 8, 2, None) if size == "real" else (1, 1001, 37, 6, 2, 333)
+    Hq = Hq or Hq_
     g = torch.Generator().manual_seed(0)
     anchors = torch.randint(0, S, (B, N), generator=g)
     anchors[0, 0], anchors[0, -1] = 0, S - 1
     valid = torch.ones(B, N, dtype=torch.bool)
     valid[0, -2] = False
     anchors, valid = anchors.cuda(), valid.cuda()
-    mask = dflash_block_mask(anchors, S, 16, window=window, valid=valid)  # launches the mask kernels
-    dense = dflash_dense_mask(anchors, S, 16, window=window, valid=valid)
-    q, k, v, do = make_qkv(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype)
-    check_against_reference(q, k, v, do, mask, dtype, dense=dense)
+    dk.set_backend("attention", backend)
+    try:
+        mask = dflash_block_mask(anchors, S, 16, window=window, valid=valid)  # launches the mask kernels
+        dense = dflash_dense_mask(anchors, S, 16, window=window, valid=valid)
+        q, k, v, do = make_qkv(B, N * 16, S + N * 16, Hq, Hkv, 128, dtype)
+        check_against_reference(q, k, v, do, mask, dtype, dense=dense)
+    finally:
+        dk.set_backend("attention", "auto")
+
+
+def _attention(size, dtype):
+    """The portable kernels (backend ``portable``: on an sm_90 GPU backend ``triton`` runs the Hopper forward)."""
+    _attention_dflash(size, dtype, "portable")
+
+
+def _attention_gluon_dflash(size, dtype):
+    """The Hopper DFlash forward through the op (GQA 4: its 64-row groups), the portable backward after it."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    _attention_dflash(size, dtype, "triton", Hq=8)
+
+
+def _attention_gluon_causal(size, dtype):
+    """The Hopper dense forward through the op, for a causal_block_mask (Tq != Tk at the odd size)."""
+    from dflash_kernels.ops.attention import causal_block_mask
+    from tests.ops.test_attention import check_against_reference, make_qkv
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward needs an sm_90 GPU")
+    B, Tq, Tk, Hq, Hkv = (2, 2048, 2048, 8, 2) if size == "real" else (1, 1001, 1117, 6, 3)
+    mask = causal_block_mask(Tq, Tk, q_block=64, device="cuda")
+    q, k, v, do = make_qkv(B, Tq, Tk, Hq, Hkv, 128, dtype)
+    check_against_reference(q, k, v, do, mask, dtype)
 
 
 def _attention_fwd_sm90(size, dtype):
@@ -342,6 +373,8 @@ DRIVERS = {
     **{n: _attention for n in ("block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv",
                                "block_sparse_attn_bwd_pre", "mask_rev_count", "mask_rev_fill")},
     "block_sparse_attn_fwd_sm90": _attention_fwd_sm90,
+    "block_sparse_attn_fwd_gluon_sm90_dflash": _attention_gluon_dflash,
+    "block_sparse_attn_fwd_gluon_sm90": _attention_gluon_causal,
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
        + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},

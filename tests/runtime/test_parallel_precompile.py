@@ -230,6 +230,36 @@ def test_signatures_of_other_argument_types_are_not_recorded():
     assert describe_launch((torch.zeros(2),), {"A": torch.float32}) is None
 
 
+def test_gluon_descriptor_signatures_round_trip_through_json():
+    """A Gluon TMA descriptor argument is recorded by what Triton specializes it on (dtype, box, shared layout,
+    padding), and its stand-in, rebuilt from the JSON, specializes exactly as the real descriptor."""
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dflash_kernels.runtime.kernel import _mock_arg, _specialize, describe_launch
+
+    cases = ((torch.bfloat16, gl.bfloat16, [1, 64, 128]), (torch.float16, gl.float16, [1, 128, 64]))
+    for dtype, gl_dtype, block in cases:
+        x = torch.zeros(2, 300, 4 * block[2], dtype=dtype)
+        desc = TensorDescriptor(x, list(x.shape), list(x.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+        sig = json.loads(json.dumps(describe_launch((desc, x, 7), {"BN": 128})))
+        assert sig["args"][0][:3] == ["D", str(dtype).replace("torch.", ""), block]
+        real, mock = (_specialize(BaseBackend, d, False, True, True) for d in (desc, _mock_arg(sig["args"][0])))
+        assert real == mock and real[0].startswith("tensordesc<")
+
+
+def test_config_maxnreg_is_a_launch_option_only_where_set():
+    from dflash_kernels.runtime import Config
+
+    plain, gluon = Config(num_warps=8, BN=64), Config(num_warps=4, num_stages=1, maxnreg=168)
+    assert plain.launch_options() == {"num_warps": 8, "num_stages": 2} and "maxnreg" not in plain.as_dict()
+    assert gluon.launch_options() == {"num_warps": 4, "num_stages": 1, "maxnreg": 168}
+    assert Config.from_dict(gluon.as_dict()).as_dict() == gluon.as_dict()
+    assert repr(plain) == "Config(BN=64, num_warps=8, num_stages=2)"  # unchanged: persisted keys hash it
+
+
 def test_precompile_recorded_does_nothing_on_the_cpu():
     rep = dk.precompile_recorded(verbose=False)
     assert rep["compiled"] == 0 and rep["workers"] == 0 and not rep["errors"]

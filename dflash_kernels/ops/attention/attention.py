@@ -7,15 +7,61 @@ import torch
 from dflash_kernels.ops.attention.checks import check_attention_inputs, check_kernel_grid
 from dflash_kernels.ops.attention.kernels import (attention_bwd_dkdv_kernel, attention_bwd_dq_kernel,
                                                   attention_bwd_preprocess_kernel, attention_fwd_kernel)
+from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
+from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import dflash_fwd, gluon_dflash_rows
 from dflash_kernels.ops.attention.mask import dflash_block_mask
-from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile
+from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
 from dflash_kernels.runtime.autograd import differentiable_op, eager_call
+from dflash_kernels.runtime.errors import BackendUnavailable
 
-__all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd"]
+__all__ = ["block_sparse_attention", "attention_fwd", "attention_bwd", "forward_path", "choose_forward"]
 
 LOG2E = math.log2(math.e)  # the kernels take the softmax scale premultiplied by it (they use exp2)
 
-_attention = Op("attention")
+# Backend "portable": the portable Triton kernels only, also on GPUs where backend "triton" (the default) runs a
+# hardware-specific forward; for comparing the two and for working around one.
+_attention = Op("attention", extra={"portable": lambda: not settings.interpreting() and torch.cuda.is_available()})
+
+PORTABLE, GLUON_DFLASH, GLUON_CAUSAL = "portable", "gluon_sm90_dflash", "gluon_sm90_causal"
+_major = {}  # CUDA device index -> compute capability major
+
+
+def _capability_major(device) -> int:
+    major = _major.get(device.index)
+    if major is None:
+        major = _major[device.index] = torch.cuda.get_device_capability(device)[0]
+    return major
+
+
+def forward_path(q, k, v, mask, backend: str = "triton") -> str:
+    """Which forward kernel ``block_sparse_attention`` runs for these inputs (contiguous, as the op passes them)
+    under ``backend``: ``"portable"`` (kernels.py), ``"gluon_sm90_dflash"`` or ``"gluon_sm90_causal"`` (the
+    warp-specialized Hopper forwards, kernels_gluon_sm90*.py). Reads no device memory; the rule is
+    :func:`choose_forward`'s."""
+    major = _capability_major(q.device) if backend == "triton" and q.is_cuda else None
+    aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0, q.data_ptr() % 16 == 0
+    return choose_forward(major, q.dtype, q.shape[-1], q.shape[2] // k.shape[2], aligned, mask)
+
+
+def choose_forward(major, dtype, D: int, G: int, aligned: tuple, mask) -> str:
+    """The forward kernel for inputs on a CUDA device of compute capability ``major`` (None: not a CUDA input
+    under backend ``triton``), of ``dtype`` and head dim ``D``, GQA ratio ``G``, ``aligned`` = (k and v 16-byte
+    aligned, q 16-byte aligned), under ``mask``.
+
+    The Hopper forwards need capability 9.x, bf16 / fp16, D 64 or 128 and aligned k and v (TMA boxes; q too for
+    the causal one). The DFlash one takes ``dflash_block_mask`` masks whose query groups fill a 64-row
+    warpgroup (``q_block`` x the query heads packed per kv head = 64: 16-token blocks at GQA 4 or 8; with fewer
+    rows the warpgroup MMA runs partly empty, untimed against the portable forward); the dense one
+    ``causal_block_mask`` masks. Everything else runs the portable forward, which takes every mask, dtype and
+    head dim. The backward is the portable one for all; it reads the forward's o and lse."""
+    if major != 9 or dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128) or not aligned[0]:
+        return PORTABLE
+    if mask.form == "dflash" and mask.tiles.shape[0] == 0 and mask.segments.shape[2] <= 2 and mask.q_block <= 64:
+        if mask.q_block * gluon_dflash_rows(mask.q_block, G) == 64:
+            return GLUON_DFLASH
+    if mask.form == "causal" and aligned[1]:
+        return GLUON_CAUSAL
+    return PORTABLE
 
 
 def _row_tiling(q_block: int, G: int, D: int):
@@ -91,8 +137,12 @@ def attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, 
 
 def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor,
               seg_count: torch.Tensor, tiles: torch.Tensor, rev_offsets: torch.Tensor, rev_full: torch.Tensor,
-              rev_entries: torch.Tensor,
-              q_block: int, kv_tile: int, tile_width: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+              rev_entries: torch.Tensor, q_block: int, kv_tile: int, tile_width: int, scale: float,
+              path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if path == GLUON_DFLASH:
+        return dflash_fwd(q, k, v, segments, seg_count, q_block, scale)
+    if path == GLUON_CAUSAL:
+        return attention_fwd_gluon_sm90(q, k, v, True, scale)
     return attention_fwd(q, k, v, segments, seg_count, tiles, q_block, tile_width, scale)
 
 
@@ -100,7 +150,8 @@ _fwd_op = torch.library.custom_op("dflash_kernels::block_sparse_attn_fwd", mutat
 
 
 @_fwd_op.register_fake
-def _(q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile, tile_width, scale):
+def _(q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile, tile_width, scale,
+      path):
     B, Tq, Hq, _ = q.shape
     return torch.empty_like(q), q.new_empty(B, Hq, Tq, dtype=torch.float32)
 
@@ -122,7 +173,8 @@ def _(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_full, re
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile, tile_width, scale = inputs
+    q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile, tile_width, scale, _ = (
+        inputs)
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries)
     ctx.meta = (q_block, kv_tile, tile_width, scale)
@@ -134,21 +186,39 @@ _bwd_op_eager = eager_call(_bwd_op)  # the plain function outside torch.compile
 
 def _backward(ctx, do, dlse):
     dq, dk, dv = _bwd_op_eager(do, *ctx.saved_tensors, *ctx.meta)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 # Eager calls take a plain autograd.Function, torch.compile the custom op (runtime/autograd.py).
 _fwd_differentiable = differentiable_op(_fwd_op, _fwd_impl, _setup_context, _backward)
 
 
-@_attention.impl("triton", "interpret")
-def _attention_kernels(q, k, v, mask, scale):
+def _run_kernels(q, k, v, mask, scale, backend):
     check_kernel_grid(q.shape[0], q.shape[2], cdiv(q.shape[1], mask.q_block), cdiv(k.shape[1], mask.kv_tile))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     # The kernels index the mask's tensors densely; the builders make them so, a mask assembled from
     # views (strided, transposed, at an offset) is copied.
     fields = (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries)
-    return _fwd_differentiable(q.contiguous(), k.contiguous(), v.contiguous(), *(t.contiguous() for t in fields),
-                               mask.q_block, mask.kv_tile, mask.tile_width, scale)
+    return _fwd_differentiable(q, k, v, *(t.contiguous() for t in fields), mask.q_block, mask.kv_tile,
+                               mask.tile_width, scale, forward_path(q, k, v, mask, backend))
+
+
+@_attention.impl("triton")
+def _attention_kernels(q, k, v, mask, scale):
+    return _run_kernels(q, k, v, mask, scale, "triton")
+
+
+@_attention.impl("interpret")
+def _attention_interpreted(q, k, v, mask, scale):
+    return _run_kernels(q, k, v, mask, scale, "interpret")
+
+
+@_attention.impl("portable")
+def _attention_portable(q, k, v, mask, scale):
+    if not q.is_cuda:
+        raise BackendUnavailable(f"attention: backend 'portable' needs CUDA tensors, got device {q.device}; use "
+                                 f"'interpret' (with TRITON_INTERPRET=1) or 'reference' on the CPU")
+    return _run_kernels(q, k, v, mask, scale, "portable")
 
 
 @_attention.impl("reference")

@@ -48,20 +48,20 @@ The consumer's key loop (``_attend``), the producer's K / V loop (``_load_kv``),
 epilogue's normalisation walk keys in up to two ranges (segment slots) with a per-range element mask; the
 dense kernel uses one range ``[0, Lk)``, the DFlash-mask forward (kernels_gluon_sm90_dflash.py) both.
 
-Not wired into the op's dispatch yet: only the DFlash sibling, the tests and the studies import this module.
+The op's dispatch (attention.py) runs this kernel for ``causal_block_mask`` masks on sm_90 GPUs (bf16 / fp16,
+D 64 / 128).
 """
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from dflash_kernels.runtime import alloc
+from dflash_kernels.runtime import Config, TritonKernel, alloc, bucket, cdiv
 
-__all__ = ["attention_fwd_gluon_sm90"]
+__all__ = ["attention_fwd_gluon_sm90", "attention_fwd_gluon_kernel"]
 
 LOG2E = 1.4426950408889634
 LN2: gl.constexpr = gl.constexpr(0.6931471805599453)
@@ -351,7 +351,7 @@ def _init_ring(NUM_STAGES: gl.constexpr):
     return k_ready, k_empty, v_ready, v_empty, turn
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["B", "Lq", "Lk", "H", "GROUP"])
 def _attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Lq, Lk, H, GROUP, qk_scale,
                              BN: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                              CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -448,10 +448,17 @@ def attention_fwd_gluon_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         lse.fill_(float("-inf"))
         return o, lse
     cfg = tile_config(D)
-    grid = (triton.cdiv(Lq, BM) * B * H, )
-    _attention_fwd_ws_kernel[grid](
-        descriptor(q, BMW), descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]), descriptor(o, BMW), lse,
-        B, Lq, Lk, H, H // Hkv, sm_scale * LOG2E,
+    attention_fwd_gluon_kernel(
+        (cdiv(Lq, BM) * B * H, ), descriptor(q, BMW), descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]),
+        descriptor(o, BMW), lse, B, Lq, Lk, H, H // Hkv, sm_scale * LOG2E, bucket=(bucket(Lq), bucket(Lk)),
         BN=cfg["BN"], NUM_STAGES=cfg["NUM_STAGES"], CAUSAL=bool(causal), CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+        PRODUCER_REGS=PRODUCER_REGS)
     return o, lse
+
+
+# One launch configuration: the kernel's tiles are fixed per head dim (tile_config) and its register split is
+# part of its design (setmaxnreg), so there is nothing to tune. Launched through the runtime's kernel cache:
+# compiled once per key and device, thread-safe, precompiled, recorded and shipped like the Triton kernels.
+GLUON_CONFIGS = [Config(num_warps=4, num_stages=1, maxnreg=MAXNREG)]
+attention_fwd_gluon_kernel = TritonKernel(_attention_fwd_ws_kernel, name="block_sparse_attn_fwd_gluon_sm90",
+                                          configs=GLUON_CONFIGS)

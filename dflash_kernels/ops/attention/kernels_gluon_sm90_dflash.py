@@ -48,23 +48,23 @@ masked key. The copies cost shared memory, two [BN, D] slots: 64 KiB at D = 128 
 sm_90's 232,448 per block) and 32 KiB at D = 64; and time only on masked tiles (the ragged ends and the keys
 between the two groups' ranges), 32 keys at a time, outside the consumer's ping-pong turn.
 
-Not wired into the op's dispatch: nothing imports this module but the tests and studies.
+The op's dispatch (attention.py) runs this forward for ``dflash_block_mask`` masks on sm_90 GPUs (bf16 / fp16,
+D 64 / 128); the backward stays the portable one, which reads this forward's o and lse.
 """
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from dflash_kernels.ops.attention import checks
-from dflash_kernels.ops.attention.kernels_gluon_sm90 import (BMW, CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS,
-                                                             _attend, _finish_rows, _init_ring, _load_kv,
-                                                             descriptor, score_layout, tile_config)
+from dflash_kernels.ops.attention.kernels_gluon_sm90 import (BMW, CONSUMER_REGS, GLUON_CONFIGS, LOG2E,
+                                                             PRODUCER_REGS, _attend, _finish_rows, _init_ring,
+                                                             _load_kv, descriptor, score_layout, tile_config)
 from dflash_kernels.ops.attention.mask import NO_DIAGONAL
-from dflash_kernels.runtime import alloc
+from dflash_kernels.runtime import TritonKernel, alloc, bucket, cdiv
 
-__all__ = ["attention_fwd_gluon_sm90_dflash", "gluon_dflash_rows"]
+__all__ = ["attention_fwd_gluon_sm90_dflash", "attention_fwd_gluon_dflash_kernel", "gluon_dflash_rows"]
 
 GROUPS_PER_PROGRAM = 2  # one query group per consumer warpgroup
 _FAR: gl.constexpr = gl.constexpr(NO_DIAGONAL)  # past every key: the start of an empty range
@@ -143,7 +143,7 @@ def _dflash_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, 
              start1, BN, NUM_STAGES)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["Tq", "NG", "MS", "MB", "NBH"])
 def _dflash_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, segments, seg_count, Tq, NG, MS, MB, Hq, Hkv,
                           NBH, qk_scale, G: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr, BN: gl.constexpr,
                           NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
@@ -245,19 +245,30 @@ def attention_fwd_gluon_sm90_dflash(q: torch.Tensor, k: torch.Tensor, v: torch.T
     for name, x in (("q", q), ("k", k), ("v", v)):
         assert x.is_contiguous(), f"{name} must be contiguous"
         assert x.data_ptr() % 16 == 0, f"{name}: TMA needs a 16-byte aligned base address"
+    return dflash_fwd(q, k, v, mask.segments.contiguous(), mask.seg_count.contiguous(), mask.q_block, scale)
+
+
+def dflash_fwd(q, k, v, segments, seg_count, q_block, scale):
+    """The launcher: ``attention_fwd_gluon_sm90_dflash`` without its checks, on the mask's dense segment tensors
+    (what the op's custom op holds). The caller guarantees the mask's form and the inputs' layout."""
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
     o = alloc.empty_like(q)
     lse = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     if Tq == 0 or B == 0:
         return o, lse
     G = Hq // Hkv
-    GH = gluon_dflash_rows(mask.q_block, G)
-    MB, NG, MS, _ = mask.segments.shape
+    GH = gluon_dflash_rows(q_block, G)
+    MB, NG, MS, _ = segments.shape
     NBH = B * Hkv * (G // GH)
     cfg = tile_config(D)
-    grid = (triton.cdiv(NG, GROUPS_PER_PROGRAM) * NBH, )
-    _dflash_fwd_ws_kernel[grid](
-        q, descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]), o, lse, mask.segments.contiguous(),
-        mask.seg_count.contiguous(), Tq, NG, MS, MB, Hq, Hkv, NBH, scale * LOG2E,
-        G=G, BQ=mask.q_block, GH=GH, BN=cfg["BN"], NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+    attention_fwd_gluon_dflash_kernel(
+        (cdiv(NG, GROUPS_PER_PROGRAM) * NBH, ), q, descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]), o, lse,
+        segments, seg_count, Tq, NG, MS, MB, Hq, Hkv, NBH, scale * LOG2E, bucket=(bucket(Tq), bucket(Tk)),
+        G=G, BQ=q_block, GH=GH, BN=cfg["BN"], NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS)
     return o, lse
+
+
+attention_fwd_gluon_dflash_kernel = TritonKernel(_dflash_fwd_ws_kernel, name="block_sparse_attn_fwd_gluon_sm90_dflash",
+                                                 configs=GLUON_CONFIGS)  # the dense kernel's one launch config

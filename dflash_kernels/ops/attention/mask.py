@@ -62,6 +62,11 @@ class BlockSparseMask:
     q_block: int  # positions per query group
     kv_tile: int  # key tile width of the reverse index (the dk/dv kernel's BN)
     tile_width: int  # width of `tiles` (the flex kv block size; 1 when there are none)
+    # What the builder guarantees about the segments, for the dispatch (a kernel that takes only that form runs
+    # without reading the segments back): "dflash" (dflash_block_mask: at most 2 segments per group, none with a
+    # diagonal or a tile), "causal" (causal_block_mask: exactly top-left causal attention over (q_len, kv_len)),
+    # "general" (anything else). A mask whose fields are replaced must say "general" unless it keeps the form.
+    form: str = "general"
 
     @property
     def batch_size(self) -> int:
@@ -79,7 +84,7 @@ class BlockSparseMask:
         move = {f: getattr(self, f).to(device) for f in
                 ("segments", "seg_count", "tiles", "rev_offsets", "rev_full", "rev_entries")}
         return BlockSparseMask(**move, q_len=self.q_len, kv_len=self.kv_len, q_block=self.q_block,
-                               kv_tile=self.kv_tile, tile_width=self.tile_width)
+                               kv_tile=self.kv_tile, tile_width=self.tile_width, form=self.form)
 
     def visible_pairs(self) -> torch.Tensor:
         """Number of visible (query, key) pairs per batch element of the mask, int64 ``[MB]``.
@@ -161,16 +166,16 @@ def _reverse_index_triton(segments, seg_count, q_block, q_len, kv_len, kv_tile, 
 
 def _use_triton_builder(device) -> bool:
     """The reverse index is built by the kernels where the attention runs on them, else by tensor ops."""
-    return backends.resolve("attention", device) in ("triton", "interpret")
+    return backends.resolve("attention", device) in ("triton", "portable", "interpret")
 
 
-def _finish(segments, seg_count, tiles, q_len, kv_len, q_block, kv_tile, tile_width, max_len):
+def _finish(segments, seg_count, tiles, q_len, kv_len, q_block, kv_tile, tile_width, max_len, form):
     segments = segments.to(torch.int32).contiguous()
     seg_count = seg_count.to(torch.int32).contiguous()
     build = _reverse_index_triton if _use_triton_builder(segments.device) else _reverse_index
     offsets, n_full, entries = build(segments, seg_count, q_block, q_len, kv_len, kv_tile, max_len)
     return BlockSparseMask(segments, seg_count, tiles.contiguous(), offsets, n_full, entries, q_len=q_len,
-                           kv_len=kv_len, q_block=q_block, kv_tile=kv_tile, tile_width=tile_width)
+                           kv_len=kv_len, q_block=q_block, kv_tile=kv_tile, tile_width=tile_width, form=form)
 
 
 def _no_tiles(q_block, device):
@@ -220,7 +225,7 @@ def dflash_block_mask(anchors, context_len, block_size=16, window=None, valid=No
         seg_count = torch.where(valid, seg_count, 0)
     max_len = max(block_size, context_len if window is None else min(window, context_len))
     return _finish(segments, seg_count, _no_tiles(block_size, dev), N * block_size,
-                   context_len + N * block_size, block_size, kv_tile, 1, max_len)
+                   context_len + N * block_size, block_size, kv_tile, 1, max_len, "dflash")
 
 
 def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
@@ -244,7 +249,7 @@ def causal_block_mask(q_len, kv_len=None, q_block=64, kv_tile=64, device=None):
     segments = torch.stack([torch.zeros_like(q0), hi, torch.zeros_like(q0), torch.full_like(q0, -1)], -1)
     segments = segments[None, :, None, :]
     seg_count = torch.ones(1, NG, device=dev, dtype=torch.int32)
-    return _finish(segments, seg_count, _no_tiles(q_block, dev), q_len, kv_len, q_block, kv_tile, 1, kv_len)
+    return _finish(segments, seg_count, _no_tiles(q_block, dev), q_len, kv_len, q_block, kv_tile, 1, kv_len, "causal")
 
 
 def from_flex_block_mask(block_mask, kv_tile=64):
@@ -323,4 +328,4 @@ def from_flex_block_mask(block_mask, kv_tile=64):
     segments.scatter_(2, slot[..., None].expand(-1, -1, -1, 4), seg_all)
     segments = segments[:, :, :MS]
     seg_count = full_num + kv_num
-    return _finish(segments, seg_count, tiles, q_len, kv_len, QB, kv_tile, KB, KB)
+    return _finish(segments, seg_count, tiles, q_len, kv_len, QB, kv_tile, KB, KB, "general")
