@@ -90,6 +90,56 @@ def compile_gluon_dflash(D: int, G: int = 4, q_block: int = 16, dtype=None):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": G_.MAXNREG})
 
 
+def compile_gluon_dflash_bwd(D: int, kernel: str, G: int = 4, q_block: int = 16, dtype=None):
+    """The compiled DFlash-mask backward kernel ``kernel`` (``"dkdv"`` or ``"dq"``,
+    kernels_gluon_sm90_dflash_bwd.py) for head dim ``D``, GQA group ``G`` and ``q_block``-position groups, as
+    its launcher would launch it at bf16 (or ``dtype``)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dflash_kernels.ops.attention import kernels_gluon_sm90 as G_
+    from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash as GD
+    from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash_bwd as GB
+
+    dtype = dtype or torch.bfloat16
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    GH = GD.gluon_dflash_rows(q_block, G)
+    opts = {"num_warps": 4, "maxnreg": G_.MAXNREG}
+    if kernel == "dkdv":
+        cfg = GB.dkdv_config(D)
+        x = torch.empty(1, q_block, G, D, dtype=dtype)
+        row_desc = GB.row_descriptor(x, q_block, GH)
+        kv_desc = G_.descriptor(torch.empty(1, GB.KH, 2, D, dtype=dtype), GB.KH)
+        fn = GB._dkdv_kernel
+        sig = {"q_desc": mangle_type(row_desc), "do_desc": mangle_type(row_desc), "k_desc": mangle_type(kv_desc),
+               "v_desc": mangle_type(kv_desc), "dk_ptr": ptr, "dv_ptr": ptr, "lse_ptr": "*fp32",
+               "delta_ptr": "*fp32", "segments": "*i32", "rev_offsets": "*i32", "rev_full": "*i32",
+               "rev_entries": "*i32", "Tq": "i32", "Tk": "i32", "NG": "i32", "MS": "i32", "MB": "i32", "NKV": "i32",
+               "Hq": "i32", "Hkv": "i32", "NBH": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        constexprs = {"G": G, "NUM_STAGES": cfg["NUM_STAGES"], "CONSUMER_REGS": G_.CONSUMER_REGS,
+                      "PRODUCER_REGS": G_.PRODUCER_REGS}
+        aligned = ("dk_ptr", "dv_ptr", "lse_ptr", "delta_ptr", "segments", "rev_offsets", "rev_full", "rev_entries")
+    else:
+        cfg = GB.dq_config(D)
+        kv_desc = G_.descriptor(torch.empty(1, cfg["BN"], 2, D, dtype=dtype), cfg["BN"])
+        fn = GB._dq_kernel
+        sig = {"q_ptr": ptr, "do_ptr": ptr, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": ptr,
+               "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc), "segments": "*i32",
+               "seg_count": "*i32", "Tq": "i32", "NG": "i32", "MS": "i32", "MB": "i32", "Hq": "i32", "Hkv": "i32",
+               "NBH": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        constexprs = {"G": G, "BQ": q_block, "GH": GH, "BN": cfg["BN"], "NUM_STAGES": cfg["NUM_STAGES"],
+                      "CONSUMER_REGS": G_.CONSUMER_REGS, "PRODUCER_REGS": G_.PRODUCER_REGS}
+        aligned = ("q_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr", "segments", "seg_count")
+    sig.update({name: "constexpr" for name in constexprs})
+    assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
+    attrs = {(list(sig).index(n), ): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
 def structure_counts(ptx: str, ttgir: str) -> dict:
     """How many of each instruction that shows the kernel's structure the PTX holds."""
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
