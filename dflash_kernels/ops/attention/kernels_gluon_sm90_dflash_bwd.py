@@ -45,15 +45,23 @@ Barrier protocol of the dk / dv kernel (every wait has exactly the arrivals it c
   arrival for item ``i + NUM_STAGES`` then cannot come before the stage was refilled, which needs both
   arrivals of item ``i``, so arrivals never fall into the wrong phase.
 
-Non-finite values reach only the gradients of the keys whose rows see them. Within an item every row sees the
-same keys (the entry's segment cut to the tile), so it is a matter of whole key rows of dK and dV: a NaN / Inf
-in a row's q or do or row terms gives NaN or Inf, inside the MMA, to every key of that product, the keys the
-group does not see included (their ``P = 0`` times NaN). The masked path therefore computes each of the
-item's two products into a fresh accumulator and adds it with a select on the keys the group sees
-(``dV += where(seen, P^T dO, 0)``, the same for dK), and selects ``P^T`` and ``dS^T`` to 0 on the other keys
-(a non-finite K or V of an unseen key makes its S^T / dP^T row non-finite). Fully seen items need nothing:
-every key of the product is seen. The fresh accumulator costs 64 registers, the masked path is serial (MMA,
-wait, MMA ...) to stay within the register budget; it runs on the ragged ends of the segments only.
+Non-finite keys and values reach only the gradients of the keys and queries whose rows see them (the
+forward's guarantee, tests/ops/test_attention_gluon_sm90_bwd.py). Within an item every row sees the same keys
+(the entry's segment cut to the tile), so masking is by whole key rows of S^T, P^T, dS^T: on items that see
+part of the consumer's keys, P^T and dS^T are *selected* to 0 on the others, so a non-finite K or V of an
+unseen key (a NaN / Inf row of S^T or dP^T) adds exactly 0 to dK / dV, and the rows that see a non-finite key
+(their o, lse, delta non-finite) still add exactly 0 to the keys they do not see, since their q and do are
+finite. Limitation: a non-finite element *in q or do itself* (an upstream NaN) meets the ``P^T = 0`` of the
+unseen keys of its item inside the MMA (``0 * NaN``), so it reaches the dK / dV of those unseen keys of the
+same 64-key block too (the portable kernel zeroes such operands and poisons the seen keys explicitly; a fresh
+accumulator per masked item, added with a select, did the same here but spilled hundreds of registers at
+D = 128). Fully seen items need nothing: every key of the product is seen.
+
+Registers: a consumer holds dK, dV (64 + 64 per thread at D = 128), S^T and dP^T (32 + 32 at 64 rows) and
+the bf16 operands of P^T and dS^T; the row terms cost none beyond the accumulators, as the score MMAs start
+from them (``-lse / scale`` and ``-delta`` broadcast over the keys: ``exp2((S^T - lse / scale) * scale *
+log2 e)`` and ``dP^T - delta`` come out of the MMAs). Holding them as separate vectors (16 registers each)
+spilled at D = 128.
 
 dq (``_dq_kernel``): the forward's programs (two adjacent query groups sharing the union of their key ranges,
 one per consumer warpgroup, 64 GQA-packed rows with dead rows as zeros) and its producer and K / V ring
@@ -120,7 +128,7 @@ def row_descriptor(x: torch.Tensor, q_block: int, GH: int) -> TensorDescriptor:
 
 @gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem, k_smem,
-                   v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq,
+                   v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq, sm_scale,
                    G: gl.constexpr, NUM_STAGES: gl.constexpr):
     """K and V of the program's key tile, then Q, dO and the row terms of every item into the ring."""
     BQ: gl.constexpr = q_desc.block_type.shape[1]
@@ -144,14 +152,15 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entr
         t = g * BQ + r // GH
         ok = t < Tq
         row = (b.to(gl.int64) * Hq + h0 + r % GH) * Tq + t
-        # Row terms before the stage wait: their latency overlaps it. lse = -inf (a row that sees nothing) and
-        # rows past Tq become +inf, so that P = exp2(s - lse2) is exactly 0 there.
-        lse2 = gl.load(lse_ptr + row, mask=ok, other=float("-inf")) * _LOG2E
-        lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
-        dlt = gl.load(delta_ptr + row, mask=ok, other=0.0)
+        # Row terms before the stage wait (their latency overlaps it), stored as the score MMAs' initial
+        # accumulators: -lse / scale (S^T - lse / scale, times scale * log2 e, is the base-2 exponent) and
+        # -delta. lse = -inf (a row that sees nothing) and rows past Tq give -inf: P = 0 exactly there.
+        lse = gl.load(lse_ptr + row, mask=ok, other=float("-inf"))
+        nlse = gl.where(lse == float("-inf"), float("-inf"), -lse / sm_scale)
+        ndlt = -gl.load(delta_ptr + row, mask=ok, other=0.0)
         mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
-        row_smem.index(2 * stage).store(lse2)
-        row_smem.index(2 * stage + 1).store(dlt)
+        row_smem.index(2 * stage).store(nlse)
+        row_smem.index(2 * stage + 1).store(ndlt)
         gl.thread_barrier()  # every lane's row stores before the (one-lane) arrival below
         bar = ready.index(stage)
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -160,59 +169,48 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entr
 
 
 @gluon.jit
-def _dkdv_item_full(dk, dv, kt, vt, q, do, lse2, dlt, qk_scale, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr):
-    """One item that sees the consumer's keys whole: dK, dV accumulated in place, MMAs overlapped."""
+def _dkdv_scores(kt, vt, q, do, rows_buf, stage, qk_scale, first, lo, hi, MASKED: gl.constexpr,
+                 s_layout: gl.constexpr):
+    """P^T and dS^T [64 keys, ROWS] fp32 of one item: both score-side MMAs issued together, P^T computed
+    while dP^T runs. The MMAs start from the row terms of the stage's row buffer broadcast over the keys
+    (``-lse / scale``, ``-delta``: no registers held for them beside the accumulators). ``MASKED``: selected
+    to 0 on the keys outside ``[lo, hi)``."""
     KROWS: gl.constexpr = kt.shape[0]
     ROWS: gl.constexpr = q.shape[0]
-    dtype: gl.constexpr = q.dtype
-    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    zero = gl.zeros([KROWS, ROWS], gl.float32, s_layout)
-    st = warpgroup_mma(kt, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dpt = warpgroup_mma(vt, do.permute((1, 0)), zero, use_acc=False, is_async=True)
+    row_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
+    nlse = gl.zeros([KROWS, ROWS], gl.float32, s_layout) + \
+        gl.expand_dims(rows_buf.index(2 * stage).load(row_vec), 0)
+    st = warpgroup_mma(kt, q.permute((1, 0)), nlse, is_async=True)
+    ndlt = gl.zeros([KROWS, ROWS], gl.float32, s_layout) + \
+        gl.expand_dims(rows_buf.index(2 * stage + 1).load(row_vec), 0)
+    dpt = warpgroup_mma(vt, do.permute((1, 0)), ndlt, is_async=True)
     st = warpgroup_mma_wait(1, deps=(st, ))  # in order: one outstanding means S^T is done
-    pt = gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0))
-    p_op = gl.convert_layout(pt.to(dtype), op_layout)
-    dv = warpgroup_mma(p_op, do, dv, is_async=True)
-    dpt = warpgroup_mma_wait(1, deps=(dpt, ))  # dP^T done, dV's MMA may still run
-    dst = pt * (dpt - gl.expand_dims(dlt, 0))
-    ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
-    dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
-    return dk, dv
+    pt = gl.exp2(st * qk_scale)
+    if MASKED:
+        keys = first + gl.arange(0, KROWS, gl.SliceLayout(1, s_layout))
+        seen = gl.expand_dims((keys >= lo) & (keys < hi), 1)
+        pt = gl.where(seen, pt, 0.0)
+    dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+    dst = pt * dpt
+    if MASKED:
+        # A select, not a product: 0 also where the key's K or V is not finite.
+        dst = gl.where(seen, dst, 0.0)
+    return pt, dst
 
 
 @gluon.jit
-def _dkdv_item_masked(dk, dv, kt, vt, q, do, lse2, dlt, qk_scale, first, lo, hi, s_layout: gl.constexpr,
-                      o_layout: gl.constexpr):
-    """One item that sees keys ``[lo, hi)`` of the consumer's keys ``[first, first + 64)``: P^T and dS^T
-    selected to 0 on the others, each product into a fresh accumulator added with a select on the seen keys
-    (module docstring: non-finite rows reach the seen keys only). Serial, to keep the registers in budget."""
-    KROWS: gl.constexpr = kt.shape[0]
-    ROWS: gl.constexpr = q.shape[0]
-    D: gl.constexpr = q.shape[1]
+def _dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, first, lo, hi, MASKED: gl.constexpr,
+               s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One item: dV += P^T dO and dK += dS^T Q in place, P^T and dS^T from registers (``MASKED``: selected to
+    0 on the consumer's keys outside ``[lo, hi)``)."""
     dtype: gl.constexpr = q.dtype
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    keys_s = first + gl.arange(0, KROWS, gl.SliceLayout(1, s_layout))
-    seen_s = gl.expand_dims((keys_s >= lo) & (keys_s < hi), 1)
-    keys_o = first + gl.arange(0, KROWS, gl.SliceLayout(1, o_layout))
-    seen_o = gl.expand_dims((keys_o >= lo) & (keys_o < hi), 1)
-    zero = gl.zeros([KROWS, ROWS], gl.float32, s_layout)
-    st = warpgroup_mma(kt, q.permute((1, 0)), zero, use_acc=False, is_async=True)
-    st = warpgroup_mma_wait(0, deps=(st, ))
-    pt = gl.where(seen_s, gl.exp2(st * qk_scale - gl.expand_dims(lse2, 0)), 0.0)
-    dpt = warpgroup_mma(vt, do.permute((1, 0)), zero, use_acc=False, is_async=True)
-    dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-    dst = gl.where(seen_s, pt * (dpt - gl.expand_dims(dlt, 0)), 0.0)
+    pt, dst = _dkdv_scores(kt, vt, q, do, rows_buf, stage, qk_scale, first, lo, hi, MASKED, s_layout)
     p_op = gl.convert_layout(pt.to(dtype), op_layout)
     ds_op = gl.convert_layout(dst.to(dtype), op_layout)
-    acc = gl.zeros([KROWS, D], gl.float32, o_layout)
-    part = warpgroup_mma(p_op, do, acc, use_acc=False, is_async=True)
-    part, p_op = warpgroup_mma_wait(0, deps=(part, p_op))
-    dv = dv + gl.where(seen_o, part, 0.0)
-    part = warpgroup_mma(ds_op, q, acc, use_acc=False, is_async=True)
-    part, ds_op = warpgroup_mma_wait(0, deps=(part, ds_op))
-    dk = dk + gl.where(seen_o, part, 0.0)
+    dv = warpgroup_mma(p_op, do, dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+    dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
     return dk, dv
 
 
@@ -243,7 +241,6 @@ def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_sme
     KROWS: gl.constexpr = k_smem.shape[2]
     s_layout: gl.constexpr = score_layout(ROWS)
     o_layout: gl.constexpr = score_layout(D)
-    row_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
     first = n0 + WG * KROWS
     dk = gl.zeros([KROWS, D], gl.float32, o_layout)
     dv = gl.zeros([KROWS, D], gl.float32, o_layout)
@@ -265,13 +262,12 @@ def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_sme
         mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
         q = q_smem.index(stage).reshape([ROWS, D])
         do = do_smem.index(stage).reshape([ROWS, D])
-        lse2 = row_smem.index(2 * stage).load(row_vec)
-        dlt = row_smem.index(2 * stage + 1).load(row_vec)
         if whole:
-            dk, dv = _dkdv_item_full(dk, dv, kt, vt, q, do, lse2, dlt, qk_scale, s_layout, o_layout)
+            dk, dv = _dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, first, lo, hi, False, s_layout,
+                                o_layout)
         elif some:
-            dk, dv = _dkdv_item_masked(dk, dv, kt, vt, q, do, lse2, dlt, qk_scale, first, lo, hi, s_layout,
-                                       o_layout)
+            dk, dv = _dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, first, lo, hi, True, s_layout,
+                                o_layout)
         mbarrier.arrive(empty.index(stage))
     # Every MMA that read this consumer's K / V boxes has completed: they stage the stores.
     _dkdv_store(dk * sm_scale, k_smem.index(WG), dk_ptr, b, hk, first, Tk, Hkv, D)
@@ -334,7 +330,7 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta
                           qk_scale, sm_scale, 1, G, NUM_STAGES)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem,
                           k_smem, v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq,
-                          G, NUM_STAGES)),
+                          sm_scale, G, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -466,3 +462,95 @@ def _dq_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_em
     """TMA loads of the program's key walk (both groups' union), K and V tile by tile into the ring."""
     _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, n_tiles, start0, n0,
              start1, BN, NUM_STAGES)
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+
+
+def _reverse_index_128(mask):
+    """The mask's reverse index for 128-key tiles (the dk / dv programs' width): its own when built for 128,
+    else rebuilt on the device with the mask's builder (mask.py; no host synchronisation, the segments'
+    length bounded by the key count)."""
+    from dflash_kernels.ops.attention import mask as mask_mod
+
+    if mask.kv_tile == DKDV_BN:
+        return mask.rev_offsets, mask.rev_full, mask.rev_entries
+    build = mask_mod._reverse_index_triton if mask_mod._use_triton_builder(mask.device) else mask_mod._reverse_index
+    return build(mask.segments.contiguous(), mask.seg_count.contiguous(), mask.q_block, mask.q_len, mask.kv_len,
+                 DKDV_BN, mask.kv_len)
+
+
+def gluon_dflash_bwd_supported(mask, G: int) -> bool:
+    """Whether the dk / dv kernel takes the mask's row packing: ``q_block * GH`` rows of 16, 32 or 64."""
+    return mask.q_block * gluon_dflash_rows(mask.q_block, G) in (16, 32, 64)
+
+
+def attention_bwd_gluon_sm90_dflash(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    o: torch.Tensor, lse: torch.Tensor, mask, scale: float, delta=None,
+                                    check_mask: bool = True) -> tuple:
+    """The backward of ``block_sparse_attention(q, k, v, mask, scale)`` on an sm_90 GPU for a DFlash-form mask
+    (``check_gluon_dflash_mask``): ``(dq, dk, dv)`` like q, k, v, the contract of the portable launcher
+    ``attention_bwd`` (rows that see nothing get dq 0 and add nothing; keys nobody sees get dk, dv 0).
+
+    ``o``, ``lse`` the forward's outputs (natural-log lse fp32 ``[B, Hq, Tq]``), ``do`` the gradient of o;
+    ``delta`` (fp32 ``[B, Hq, Tq]``, ``rowsum(o * do)``) when already computed, else the portable preprocess
+    kernel computes it. q, k, v contiguous bf16 / fp16 with D in (64, 128), TMA-aligned as the forward needs.
+    A mask whose rows per query group (``q_block * GH``, module docstring) are not 16, 32 or 64 runs the
+    portable backward instead. ``check_mask=False`` skips the mask's form check (a device synchronisation).
+    """
+    from dflash_kernels.ops.attention.attention import attention_bwd
+    from dflash_kernels.ops.attention.kernels import attention_bwd_preprocess_kernel
+    from dflash_kernels.runtime import bucket, cdiv
+
+    checks.check_attention_inputs(q, k, v, mask, scale)
+    if check_mask:
+        check_gluon_dflash_mask(mask)
+    assert q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9, "needs an sm_90 GPU"
+    assert q.dtype in (torch.bfloat16, torch.float16), "bf16 or fp16"
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    assert D in (64, 128), "head dim 64 or 128"
+    do = do.contiguous()
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        assert x.is_contiguous(), f"{name} must be contiguous"
+        assert x.data_ptr() % 16 == 0, f"{name}: TMA needs a 16-byte aligned base address"
+    if not gluon_dflash_bwd_supported(mask, G):
+        fields = (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries)
+        return attention_bwd(do, q, k, v, o, lse, *(t.contiguous() for t in fields), mask.q_block, mask.kv_tile,
+                             mask.tile_width, scale)
+    dq = alloc.empty_like(q)
+    dk = alloc.empty_like(k)
+    dv = alloc.empty_like(v)
+    if B == 0 or Tq == 0 or Tk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    if delta is None:
+        delta = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+        attention_bwd_preprocess_kernel(
+            lambda m: (cdiv(Tq, m["BT"]), B * Hq), o, do, delta, Tq, Hq,
+            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            bucket=(bucket(Tq), 1), D=D)
+    delta = delta.contiguous()
+    GH = gluon_dflash_rows(mask.q_block, G)
+    MB, NG, MS, _ = mask.segments.shape
+    segments, seg_count = mask.segments.contiguous(), mask.seg_count.contiguous()
+
+    cfg = dq_config(D)
+    NBH = B * Hkv * (G // GH)
+    _dq_kernel[(triton.cdiv(NG, 2) * NBH, )](
+        q, do, lse, delta, dq, descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]), segments, seg_count,
+        Tq, NG, MS, MB, Hq, Hkv, NBH, scale * LOG2E, scale,
+        G=G, BQ=mask.q_block, GH=GH, BN=cfg["BN"], NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+
+    cfg = dkdv_config(D)
+    rev_offsets, rev_full, rev_entries = _reverse_index_128(mask)
+    NKV = triton.cdiv(Tk, DKDV_BN)
+    _dkdv_kernel[(NKV * B * Hkv, )](
+        row_descriptor(q, mask.q_block, GH), row_descriptor(do, mask.q_block, GH), descriptor(k, KH),
+        descriptor(v, KH), dk, dv, lse, delta, segments, rev_offsets, rev_full, rev_entries,
+        Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, B * Hkv, scale * LOG2E, scale,
+        G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=MAXNREG)
+    return dq, dk, dv
