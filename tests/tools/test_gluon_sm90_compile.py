@@ -1,5 +1,6 @@
 """The Gluon sm_90 attention forwards (dense: kernels_gluon_sm90.py; DFlash mask: kernels_gluon_sm90_dflash.py)
-and the DFlash-mask backward's dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py) compile for Hopper on the CPU with the structure they are written for (tools/studies/gluon_sm90_compile.py):
+and the DFlash-mask backward's dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py) compile for Hopper
+on the CPU with the structure they are written for (tools/studies/gluon_sm90_compile.py):
 one warp-specialized region with register rebalancing, the expected number of warpgroup MMAs, TMA copies, no
 spills, shared memory within sm_90's limit.
 

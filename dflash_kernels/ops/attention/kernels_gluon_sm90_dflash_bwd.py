@@ -18,10 +18,12 @@ one MMA K step; the launcher sends other masks to the portable backward). Per it
     S^T = K Q^T, P^T = exp2(S^T * scale * log2 e - lse2), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
     dV += P^T dO, dK += dS^T Q
 
-(lse2 the base-2 lse, +inf for rows past Tq: P = 0 there), and ``dK *= scale`` at the end. Items whose entry
-sees the consumer's 64 keys whole take the pipelined path (both score-side MMAs issued together, dV's MMA
-overlapping dP^T's wait); items that see part of them the masked path (below); items that see none of them
-(the own-block keys of a group lie in one half of a tile) only take part in the barrier protocol.
+(lse2 the base-2 lse, +inf for rows past Tq: P = 0 there), and ``dK *= scale`` at the end. Per item the two
+score-side MMAs are issued together (P^T computed while dP^T runs), then dV's and dK's together. Items whose
+entry sees the consumer's 64 keys whole run without any mask; items that see part of them select P^T and dS^T
+on the keys (below); items that see none of them (a group's 16 own keys lie in one half of a tile) only take
+part in the barrier protocol. The two consumers need no ping-pong turns: each has its own keys, and while one
+computes its exponentials the other's MMAs run.
 
 Partitions (``gl.warp_specialize``): the two consumer warpgroups (setmaxnreg ``CONSUMER_REGS``) and one
 producer warp (``PRODUCER_REGS``) that TMA-loads K and V once (four 64-key boxes) and then every item's Q and
@@ -111,8 +113,8 @@ def dkdv_config(D: int) -> dict:
 
 def dq_config(D: int) -> dict:
     """The dq kernel's key tile and ring depth. D = 128: 64-key tiles, three stages of K and V (96 KiB), two
-    own K slots (32 KiB) and the two consumers' Q and dO (64 KiB): 192 KiB. D = 64: 128-key tiles, the same
-    sum with every buffer at half the row width... and twice the keys: 160 KiB at three stages."""
+    own K slots (32 KiB) and the two consumers' Q and dO (64 KiB): 192 KiB. D = 64: 128-key tiles (the K / V
+    slots are as large as at D = 128, Q and dO half): 160 KiB."""
     return {"BN": 64 if D == 128 else 128, "NUM_STAGES": 3}
 
 
