@@ -1,5 +1,6 @@
 """The Gluon sm_90 attention forwards (dense: kernels_gluon_sm90.py; DFlash mask: kernels_gluon_sm90_dflash.py)
-compile for Hopper on the CPU with the structure they are written for (tools/studies/gluon_sm90_compile.py):
+and the DFlash-mask backward's dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py) compile for Hopper
+on the CPU with the structure they are written for (tools/studies/gluon_sm90_compile.py):
 one warp-specialized region with register rebalancing, the expected number of warpgroup MMAs, TMA copies, no
 spills, shared memory within sm_90's limit.
 
@@ -21,9 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.fixture(scope="module")
 def reports():
-    code = ("import json; from tools.studies.gluon_sm90_compile import report; "
-            "print(json.dumps({f'{D} {c}': report(D, c) for D, c in "
-            "((64, False), (128, True), (128, 'dflash'), (64, 'dflash'))}))")
+    code = ("import json, torch; from tools.studies.gluon_sm90_compile import report; "
+            "r = {f'{D} {c}': report(D, c) for D, c in "
+            "((64, False), (128, True), (128, 'dflash'), (64, 'dflash'))}; "
+            "r.update({f'{D} {c} {t}': report(D, c, dtype=getattr(torch, t)) for D in (128, 64) "
+            "for c in ('dflash_dkdv', 'dflash_dq') for t in ('bfloat16', 'float16')}); "
+            "print(json.dumps(r))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
@@ -61,3 +65,27 @@ def test_dflash_compiles_warp_specialized(reports, D):
     # TMA only in the producer's K and V loads (Q and o go through plain loads and stores); a box row of D bf16
     # wider than the 128-byte swizzle is copied as 128-byte column pieces (two at D = 128).
     assert r["tma"] == 2 * (D * 2 // 128) and r["mbarrier"] > 0, r
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("D", [128, 64], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("kernel", ["dflash_dkdv", "dflash_dq"], ids=["dkdv", "dq"])
+def test_dflash_bwd_compiles_warp_specialized(reports, kernel, D, dtype):
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import KH, dq_config
+
+    r = reports[f"{D} {kernel} {dtype}"]
+    assert r["shared"] <= H200_SHARED_MEMORY
+    assert r["stl"] == 0 and r["ldl"] == 0, f"register spills: {r}"
+    assert r["ws_regions"] == 1 and r["setmaxnreg"] > 0, f"no warp-specialized region with setmaxnreg: {r}"
+    pieces = D * 2 // 128  # TMA column pieces of a D-wide 16-bit box row (128-byte swizzle)
+    if kernel == "dflash_dkdv":
+        # Two consumers x two item sites (whole, masked): S^T, dP^T (D / 16 steps each), dV, dK (64 rows / 16).
+        assert r["wgmma"] == 2 * 2 * (2 * (D // 16) + 2 * (64 // 16)), r
+        # The producer's four K / V boxes (a static loop of two halves) and the Q, dO boxes.
+        assert r["tma"] == (4 + 2) * pieces and r["mbarrier"] > 0, r
+        assert KH == 64
+    else:
+        BN = dq_config(D)["BN"]
+        # Two consumers, one site: S, dP (D / 16 each) and dQ (BN / 16).
+        assert r["wgmma"] == 2 * (2 * (D // 16) + BN // 16), r
+        assert r["tma"] == 2 * pieces and r["mbarrier"] > 0, r

@@ -2,7 +2,7 @@
 the DFlash mask; neither chosen by the dispatch) on a GPU of compute capability 9.0: each one's output
 against a peer's, then its time against the peers.
 
-    python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick] [--only dense|dflash]
+    python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick] [--only dense|dflash|dflash_bwd]
 
 Shapes (bf16, D = 128): dense causal B=2, H=32, L=8192 (the attention issue's SDPA comparison), the same
 without the mask, and causal B=4, L=4096 with GQA (32 query heads over 8 kv heads). Per shape one JSON row:
@@ -19,6 +19,11 @@ Frobenius error of o against the portable forward and whether the same rows see 
 medians of the Gluon DFlash forward (its mask check, a device synchronisation, run once before the clock)
 and of ``block_sparse_attention`` (forward only, no autograd; its tuning as the runtime finds it), and
 TFLOP/s over visible pairs as bench_attention counts them (``4 * D * Hq * visible_pairs``).
+
+Backward (``--only dflash_bwd``, the same DFlash shapes): the Gluon backward (kernels_gluon_sm90_dflash_bwd.py:
+delta, dq, dk / dv) against the portable launcher ``attention_bwd`` on the Gluon forward's o and lse; per shape
+the relative errors of dq, dk, dv against the portable ones, ``do_bench`` medians of both, TFLOP/s over visible
+pairs (``10 * D * Hq * pairs``) and the speedup.
 
 A forward that hangs (the prototype's barriers never ran on a GPU before) is cut by the
 caller's timeout: run it under ``timeout``.
@@ -97,16 +102,56 @@ def run_dflash(shape, quick=False):
     return row
 
 
+def run_dflash_bwd(shape, quick=False):
+    """The DFlash shapes' backward: the Gluon backward (kernels_gluon_sm90_dflash_bwd.py, on the Gluon
+    forward's o and lse, delta included) against the portable launcher ``attention_bwd`` (kernels.py's
+    preprocess, dq and dk / dv kernels; its tuning as the runtime finds it) on the same inputs; relative
+    errors of dq, dk, dv against the portable ones, then ``do_bench`` medians and TFLOP/s over visible pairs
+    (``10 * D * Hq * visible_pairs``: the backward's five matmuls)."""
+    from benchmarks.bench_attention import _shape_inputs
+    from dflash_kernels.ops.attention.attention import attention_bwd
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import attention_fwd_gluon_sm90_dflash
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import attention_bwd_gluon_sm90_dflash
+
+    _, q, k, v, _, mask, pairs = _shape_inputs(shape, torch.device("cuda"), torch.bfloat16)
+    q, k, v = (x.detach() for x in (q, k, v))
+    scale = shape["D"] ** -0.5
+    o, lse = attention_fwd_gluon_sm90_dflash(q, k, v, mask, scale)  # checks the mask's form once
+    do = torch.randn_like(o)
+    fields = tuple(t.contiguous() for t in (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets,
+                                            mask.rev_full, mask.rev_entries))
+
+    def gluon_bwd():
+        return attention_bwd_gluon_sm90_dflash(do, q, k, v, o, lse, mask, scale, check_mask=False)
+
+    def portable_bwd():
+        return attention_bwd(do, q, k, v, o, lse, *fields, mask.q_block, mask.kv_tile, mask.tile_width, scale)
+
+    got, ref = gluon_bwd(), portable_bwd()  # compiled (and the portable one tuned) before the clock
+    row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mask": "dflash", "pass": "bwd",
+           **shape, "visible_pairs": pairs}
+    for name, x, y in zip(("dq", "dk", "dv"), got, ref):
+        row[f"rel_err_{name}_vs_portable"] = ((x.float() - y.float()).norm() / y.float().norm()).item()
+    reps = dict(warmup=10, rep=50) if quick else {}
+    row["gluon_bwd_ms"] = do_bench(gluon_bwd, **reps)
+    row["portable_bwd_ms"] = do_bench(portable_bwd, **reps)
+    for key in [x for x in row if x.endswith("_ms")]:
+        row[key[:-3] + "_TFLOPs"] = 10 * shape["D"] * shape["Hq"] * pairs / row[key] / 1e9
+    row["speedup"] = row["portable_bwd_ms"] / row["gluon_bwd_ms"]
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", metavar="FILE", help="append the rows to FILE as JSON lines")
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
-    parser.add_argument("--only", choices=("dense", "dflash"), help="run one kernel's shapes only")
+    parser.add_argument("--only", choices=("dense", "dflash", "dflash_bwd"), help="run one kernel's shapes only")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("attention_gluon_sm90: needs a GPU of compute capability 9.0 (H100 / H200)")
-    runs = [(run, x) for x in SHAPES] if args.only != "dflash" else []
-    runs += [(run_dflash, x) for x in DFLASH_SHAPES] if args.only != "dense" else []
+    runs = [(run, x) for x in SHAPES] if args.only in (None, "dense") else []
+    runs += [(run_dflash, x) for x in DFLASH_SHAPES] if args.only in (None, "dflash") else []
+    runs += [(run_dflash_bwd, x) for x in DFLASH_SHAPES] if args.only in (None, "dflash_bwd") else []
     for fn, shape in runs:
         row = fn(shape, args.quick)
         print(json.dumps(row), flush=True)

@@ -1,5 +1,6 @@
-"""Compile the warp-specialized Gluon attention forwards for sm_90 on the CPU: the dense one
-(kernels_gluon_sm90.py) and the DFlash-mask one (kernels_gluon_sm90_dflash.py).
+"""Compile the warp-specialized Gluon attention kernels for sm_90 on the CPU: the dense forward
+(kernels_gluon_sm90.py), the DFlash-mask forward (kernels_gluon_sm90_dflash.py) and the DFlash-mask backward's
+dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py, D = 128 and 64, bf16 and fp16).
 
     python -m tools.studies.gluon_sm90_compile [--dump DIR]
 
@@ -90,6 +91,56 @@ def compile_gluon_dflash(D: int, G: int = 4, q_block: int = 16, dtype=None):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": G_.MAXNREG})
 
 
+def compile_gluon_dflash_bwd(D: int, kernel: str, G: int = 4, q_block: int = 16, dtype=None):
+    """The compiled DFlash-mask backward kernel ``kernel`` (``"dkdv"`` or ``"dq"``,
+    kernels_gluon_sm90_dflash_bwd.py) for head dim ``D``, GQA group ``G`` and ``q_block``-position groups, as
+    its launcher would launch it at bf16 (or ``dtype``)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dflash_kernels.ops.attention import kernels_gluon_sm90 as G_
+    from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash as GD
+    from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash_bwd as GB
+
+    dtype = dtype or torch.bfloat16
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    GH = GD.gluon_dflash_rows(q_block, G)
+    opts = {"num_warps": 4, "maxnreg": G_.MAXNREG}
+    if kernel == "dkdv":
+        cfg = GB.dkdv_config(D)
+        x = torch.empty(1, q_block, G, D, dtype=dtype)
+        row_desc = GB.row_descriptor(x, q_block, GH)
+        kv_desc = G_.descriptor(torch.empty(1, GB.KH, 2, D, dtype=dtype), GB.KH)
+        fn = GB._dkdv_kernel
+        sig = {"q_desc": mangle_type(row_desc), "do_desc": mangle_type(row_desc), "k_desc": mangle_type(kv_desc),
+               "v_desc": mangle_type(kv_desc), "dk_ptr": ptr, "dv_ptr": ptr, "lse_ptr": "*fp32",
+               "delta_ptr": "*fp32", "segments": "*i32", "rev_offsets": "*i32", "rev_full": "*i32",
+               "rev_entries": "*i32", "Tq": "i32", "Tk": "i32", "NG": "i32", "MS": "i32", "MB": "i32", "NKV": "i32",
+               "Hq": "i32", "Hkv": "i32", "NBH": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        constexprs = {"G": G, "NUM_STAGES": cfg["NUM_STAGES"], "CONSUMER_REGS": G_.CONSUMER_REGS,
+                      "PRODUCER_REGS": G_.PRODUCER_REGS}
+        aligned = ("dk_ptr", "dv_ptr", "lse_ptr", "delta_ptr", "segments", "rev_offsets", "rev_full", "rev_entries")
+    else:
+        cfg = GB.dq_config(D)
+        kv_desc = G_.descriptor(torch.empty(1, cfg["BN"], 2, D, dtype=dtype), cfg["BN"])
+        fn = GB._dq_kernel
+        sig = {"q_ptr": ptr, "do_ptr": ptr, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": ptr,
+               "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc), "segments": "*i32",
+               "seg_count": "*i32", "Tq": "i32", "NG": "i32", "MS": "i32", "MB": "i32", "Hq": "i32", "Hkv": "i32",
+               "NBH": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        constexprs = {"G": G, "BQ": q_block, "GH": GH, "BN": cfg["BN"], "NUM_STAGES": cfg["NUM_STAGES"],
+                      "CONSUMER_REGS": G_.CONSUMER_REGS, "PRODUCER_REGS": G_.PRODUCER_REGS}
+        aligned = ("q_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr", "segments", "seg_count")
+    sig.update({name: "constexpr" for name in constexprs})
+    assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
+    attrs = {(list(sig).index(n), ): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
 def structure_counts(ptx: str, ttgir: str) -> dict:
     """How many of each instruction that shows the kernel's structure the PTX holds."""
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
@@ -99,15 +150,22 @@ def structure_counts(ptx: str, ttgir: str) -> dict:
             "ws_regions": ttgir.count("ttg.warp_specialize(")}
 
 
-def report(D: int, causal, dump: str = None) -> dict:
+def report(D: int, causal, dump: str = None, dtype=None) -> dict:
     """One build's resources (``cubin_resources`` and the launch's shared memory) and structure counts; with
     ``dump``, its TTGIR and PTX written into that folder. ``causal``: False or True for the dense kernel,
-    ``"dflash"`` for the DFlash-mask kernel."""
-    compiled = compile_gluon_dflash(D) if causal == "dflash" else compile_gluon_attention(D, causal)
+    ``"dflash"`` for the DFlash-mask forward, ``"dflash_dkdv"`` / ``"dflash_dq"`` for the DFlash backward's
+    kernels (bf16, or ``dtype``)."""
+    if causal == "dflash":
+        compiled = compile_gluon_dflash(D, dtype=dtype)
+    elif causal in ("dflash_dkdv", "dflash_dq"):
+        compiled = compile_gluon_dflash_bwd(D, causal.split("_")[1], dtype=dtype)
+    else:
+        compiled = compile_gluon_attention(D, causal, dtype)
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
     if dump:
         os.makedirs(dump, exist_ok=True)
-        tag = {False: "full", True: "causal", "dflash": "dflash"}[causal]
+        tag = {False: "full", True: "causal"}.get(causal, causal)
+        tag += "" if dtype is None else "_" + str(dtype).split(".")[-1]
         for ext in ("ttgir", "ptx"):
             with open(os.path.join(dump, f"D{D}_{tag}.{ext}"), "w") as f:
                 f.write(compiled.asm[ext])
@@ -121,6 +179,7 @@ def main():
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("gluon_sm90_compile: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
+    import torch
     import triton
 
     from dflash_kernels.ops.attention import kernels_gluon_sm90 as G
@@ -128,26 +187,34 @@ def main():
     print(f"triton {triton.__version__}, sm_90, bf16, BM {G.BM} (2 consumer warpgroups x {G.BMW} rows) + "
           f"1 producer warp, maxnreg {G.MAXNREG}, setmaxnreg consumers {G.CONSUMER_REGS} / producer "
           f"{G.PRODUCER_REGS}; regs: per thread at launch")
-    print(f"{'build':24s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
+    print(f"{'build':28s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
           f"{'TMA':>4s} {'mbar':>5s} {'setmaxnreg':>10s} {'ws':>3s}")
     failed = False
-    for D in (64, 128):
-        for causal in (False, True, "dflash"):
+    builds = [(D, c, None) for D in (64, 128) for c in (False, True, "dflash")]
+    builds += [(D, c, dt) for c in ("dflash_dkdv", "dflash_dq") for D in (128, 64)
+               for dt in (torch.bfloat16, torch.float16)]
+    for D, causal, dtype in builds:
+        if causal in ("dflash_dkdv", "dflash_dq"):
+            from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash_bwd as GB
+
+            cfg = (GB.dkdv_config if causal == "dflash_dkdv" else GB.dq_config)(D)
+            tag = f"{causal[7:]} G4 {str(dtype).split('.')[-1]}"
+        else:
             cfg = G.tile_config(D)
             tag = {False: "full", True: "causal", "dflash": "dflash G4"}[causal]
-            name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
-            try:
-                r = report(D, causal, args.dump)
-            except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash
-                failed = True
-                while e.__cause__ is not None:  # a CompilationError wraps the error of the innermost call
-                    e = e.__cause__
-                print(f"{name:24s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
-                continue
-            fits = "" if r["shared"] <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
-            print(f"{name:24s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
-                  f"{r['wgmma']:>6d} {r['tma']:>4d} {r['mbarrier']:>5d} {r['setmaxnreg']:>10d} "
-                  f"{r['ws_regions']:>3d}{fits}", flush=True)
+        name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
+        try:
+            r = report(D, causal, args.dump, dtype)
+        except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash
+            failed = True
+            while e.__cause__ is not None:  # a CompilationError wraps the error of the innermost call
+                e = e.__cause__
+            print(f"{name:28s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
+            continue
+        fits = "" if r["shared"] <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
+        print(f"{name:28s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
+              f"{r['wgmma']:>6d} {r['tma']:>4d} {r['mbarrier']:>5d} {r['setmaxnreg']:>10d} "
+              f"{r['ws_regions']:>3d}{fits}", flush=True)
     if failed:
         raise SystemExit(1)
 

@@ -1,0 +1,558 @@
+"""Warp-specialized Hopper (sm_90) backward in Gluon for DFlash-form masks: the sibling of the forward in
+kernels_gluon_sm90_dflash.py (read its docstring: the masks it takes, the GQA row packing, the two-group
+programs, the non-finite containment). Two kernels, deterministic (fixed summation orders, no atomics), after
+the portable preprocess (``delta = rowsum(o * do)``, kernels.py):
+
+dk / dv (``_dkdv_kernel``), most of the backward's time. One program per (batch, kv head, key tile of
+``BN = 128`` keys); consumer warpgroup ``w`` (two of them) owns keys ``n0 + 64 w + [0, 64)`` and holds their
+dk, dv ``[64, D]`` fp32 in registers (keys on the warpgroup MMA's M side). The program walks the reverse
+index of the mask built for 128-key tiles (mask.py's ``rev_offsets`` / ``rev_full`` / ``rev_entries``; the
+launcher rebuilds it when the mask's ``kv_tile`` is another width): each entry is a (query group, segment)
+pair that reaches the tile, whole-tile entries first, each in group order (so the sums run in a fixed order).
+An entry times the ``NC = G / GH`` head chunks of the kv head is an *item*: ``ROWS = q_block * GH`` query rows
+(the forward's packing: row ``r`` is position ``q0 + r // GH``, head ``h0 + r % GH``), which is exactly a TMA
+box ``[1, q_block, GH, D]`` of q and of do viewed as ``[B, Tq, Hq, D]`` (rows past ``Tq`` read zeros). So the
+rows sit on the MMAs' N side with no dead rows, and ``ROWS`` must be 16, 32 or 64 (a power of two, at least
+one MMA K step; the launcher sends other masks to the portable backward). Per item and consumer::
+
+    S^T = K Q^T, P^T = exp2(S^T * scale * log2 e - lse2), dP^T = V dO^T, dS^T = P^T (dP^T - delta),
+    dV += P^T dO, dK += dS^T Q
+
+(lse2 the base-2 lse, +inf for rows past Tq: P = 0 there), and ``dK *= scale`` at the end. Per item the two
+score-side MMAs are issued together (P^T computed while dP^T runs), then dV's and dK's together. Items whose
+entry sees the consumer's 64 keys whole run without any mask; items that see part of them select P^T and dS^T
+on the keys (below); items that see none of them (a group's 16 own keys lie in one half of a tile) only take
+part in the barrier protocol. The two consumers need no ping-pong turns: each has its own keys, and while one
+computes its exponentials the other's MMAs run.
+
+Partitions (``gl.warp_specialize``): the two consumer warpgroups (setmaxnreg ``CONSUMER_REGS``) and one
+producer warp (``PRODUCER_REGS``) that TMA-loads K and V once (four 64-key boxes) and then every item's Q and
+dO into a ring of ``NUM_STAGES`` stages, with each item's ``ROWS`` lse2 and delta values (plain loads,
+stored into a per-stage shared buffer before the stage is announced).
+
+Barrier protocol of the dk / dv kernel (every wait has exactly the arrivals it counts; a mistake hangs):
+
+- ``kv_bar`` (count 1, one phase): the producer's ``expect`` of the four K / V boxes' bytes, completed by the
+  TMAs; both consumers wait for parity 0 once, before any item (also when the tile has no items, so that no
+  TMA is in flight when the program ends).
+- ``ready[s]`` (count 1): item ``i`` uses stage ``s = i % NUM_STAGES``, pass ``p = i // NUM_STAGES``. The
+  producer stores the item's lse2 / delta into the stage's row buffer (all lanes), ``thread_barrier``, then
+  ``expect`` (its one arrival, a release that orders the row stores before it) with the Q and dO boxes' bytes,
+  then the two TMAs: the phase completes when both have landed. Each consumer waits for parity ``p & 1``
+  before reading the stage (acquire: the row buffer and the boxes).
+- ``empty[s]`` (count 2): each consumer arrives once per item, after every MMA of it that read the stage has
+  completed (``warpgroup_mma_wait(0)``) and after reading the row buffer. The producer waits for parity
+  ``(p & 1) ^ 1`` before refilling the stage for item ``i`` (a fresh barrier has completed the phase before
+  phase 0, so the first pass runs through). A consumer waits for ``ready`` even for an item it skips: its
+  arrival for item ``i + NUM_STAGES`` then cannot come before the stage was refilled, which needs both
+  arrivals of item ``i``, so arrivals never fall into the wrong phase.
+
+Non-finite keys and values reach only the gradients of the keys and queries whose rows see them (the
+forward's guarantee, tests/ops/test_attention_gluon_sm90_bwd.py). Within an item every row sees the same keys
+(the entry's segment cut to the tile), so masking is by whole key rows of S^T, P^T, dS^T: on items that see
+part of the consumer's keys, P^T and dS^T are *selected* to 0 on the others, so a non-finite K or V of an
+unseen key (a NaN / Inf row of S^T or dP^T) adds exactly 0 to dK / dV, and the rows that see a non-finite key
+(their o, lse, delta non-finite) still add exactly 0 to the keys they do not see, since their q and do are
+finite. Limitation: a non-finite element *in q or do itself* (an upstream NaN) meets the ``P^T = 0`` of the
+unseen keys of its item inside the MMA (``0 * NaN``), so it reaches the dK / dV of those unseen keys of the
+same 64-key block too (the portable kernel zeroes such operands and poisons the seen keys explicitly; a fresh
+accumulator per masked item, added with a select, did the same here but spilled hundreds of registers at
+D = 128). Fully seen items need nothing: every key of the product is seen.
+
+Registers: a consumer holds dK, dV (64 + 64 per thread at D = 128), S^T and dP^T (32 + 32 at 64 rows) and
+the bf16 operands of P^T and dS^T; the row terms cost none beyond the accumulators, as the score MMAs start
+from them (``-lse / scale`` and ``-delta`` broadcast over the keys: ``exp2((S^T - lse / scale) * scale *
+log2 e)`` and ``dP^T - delta`` come out of the MMAs). Holding them as separate vectors (16 registers each)
+spilled at D = 128.
+
+dq (``_dq_kernel``): the forward's programs (two adjacent query groups sharing the union of their key ranges,
+one per consumer warpgroup, 64 GQA-packed rows with dead rows as zeros) and its producer and K / V ring
+(``_load_kv``, ``_init_ring`` of kernels_gluon_sm90.py; the ping-pong turns are not used). Q, dO, lse, delta
+are loaded once per program with plain loads. Per key tile::
+
+    S = Q K^T, dP = dO V^T (both issued, S waited first), P = exp2(S * scale * log2 e - lse2),
+    dS = P (dP - delta), dQ += dS K
+
+and ``dQ *= scale`` at the end. V's stage is released as soon as dP has completed, K's after dQ's MMA.
+Containment is the forward's for V, applied to K: on tiles a consumer masks, P and dS are selected to 0 on the
+keys it does not see and ``dQ += dS K`` reads a copy of the K tile in the consumer's own shared slot with
+those keys' rows zeroed (``_visible_values``; ``k_smem`` slots ``NUM_STAGES + WG``). Fully seen tiles read the
+ring. Key tiles: ``dq_config`` (64 keys at D = 128, for the two extra K slots to fit shared memory).
+
+Not wired into the op's dispatch: nothing imports this module but the tests and studies.
+"""
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from dflash_kernels.ops.attention import checks
+from dflash_kernels.ops.attention.kernels_gluon_sm90 import (CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS,
+                                                             _init_ring, _load_kv, _tile_keys, _visible_values,
+                                                             descriptor, score_layout, smem_layout)
+from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import (_group_segments, _union,
+                                                                    check_gluon_dflash_mask, gluon_dflash_rows)
+from dflash_kernels.runtime import alloc
+
+__all__ = ["attention_bwd_gluon_sm90_dflash", "dkdv_config", "dq_config"]
+
+_LOG2E: gl.constexpr = gl.constexpr(LOG2E)
+KH = 64  # keys per consumer warpgroup in the dk / dv kernel (the warpgroup MMA's M)
+DKDV_BN = 2 * KH  # keys per dk / dv program: the reverse index's tile width
+
+
+def dkdv_config(D: int) -> dict:
+    """The dk / dv kernel's ring depth: K and V of the 128-key tile take 64 KiB at D = 128, a stage (Q and dO
+    boxes of 64 rows) 32 KiB; three stages make 160 KiB. At D = 64 everything halves and four stages fit."""
+    return {"BN": DKDV_BN, "NUM_STAGES": 3 if D == 128 else 4}
+
+
+def dq_config(D: int) -> dict:
+    """The dq kernel's key tile and ring depth. D = 128: 64-key tiles, three stages of K and V (96 KiB), two
+    own K slots (32 KiB) and the two consumers' Q and dO (64 KiB): 192 KiB. D = 64: 128-key tiles (the K / V
+    slots are as large as at D = 128, Q and dO half): 160 KiB."""
+    return {"BN": 64 if D == 128 else 128, "NUM_STAGES": 3}
+
+
+def row_descriptor(x: torch.Tensor, q_block: int, GH: int) -> TensorDescriptor:
+    """A rank-4 TMA descriptor over the contiguous ``[B, T, H, D]`` tensor ``x`` with ``[1, q_block, GH, D]``
+    boxes: one query group's positions times ``GH`` heads, in the GQA row order (position-major)."""
+    block = [1, q_block, GH, x.shape[3]]
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, smem_layout(block, x.dtype))
+
+
+# ------------------------------------------------------------------------------------------------ dk / dv
+
+
+@gluon.jit
+def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem, k_smem,
+                   v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq, sm_scale,
+                   G: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """K and V of the program's key tile, then Q, dO and the row terms of every item into the ring."""
+    BQ: gl.constexpr = q_desc.block_type.shape[1]
+    GH: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    ROWS: gl.constexpr = BQ * GH
+    NC: gl.constexpr = G // GH
+    KH_: gl.constexpr = k_desc.block_type.shape[1]
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for w in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [b, n0 + w * KH_, hk * D], kv_bar, k_smem.index(w))
+        tma.async_copy_global_to_shared(v_desc, [b, n0 + w * KH_, hk * D], kv_bar, v_smem.index(w))
+
+    row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    r = gl.arange(0, ROWS, row_layout)
+    for i in range(n_items):
+        stage = i % NUM_STAGES
+        e = e_start + i // NC
+        h0 = hk * G + (i % NC) * GH
+        g = gl.load(rev_entries + 2 * e)
+        t = g * BQ + r // GH
+        ok = t < Tq
+        row = (b.to(gl.int64) * Hq + h0 + r % GH) * Tq + t
+        # Row terms before the stage wait (their latency overlaps it), stored as the score MMAs' initial
+        # accumulators: -lse / scale (S^T - lse / scale, times scale * log2 e, is the base-2 exponent) and
+        # -delta. lse = -inf (a row that sees nothing) and rows past Tq give -inf: P = 0 exactly there.
+        lse = gl.load(lse_ptr + row, mask=ok, other=float("-inf"))
+        nlse = gl.where(lse == float("-inf"), float("-inf"), -lse / sm_scale)
+        ndlt = -gl.load(delta_ptr + row, mask=ok, other=0.0)
+        mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+        row_smem.index(2 * stage).store(nlse)
+        row_smem.index(2 * stage + 1).store(ndlt)
+        gl.thread_barrier()  # every lane's row stores before the (one-lane) arrival below
+        bar = ready.index(stage)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, g * BQ, h0, 0], bar, q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [b, g * BQ, h0, 0], bar, do_smem.index(stage))
+
+
+@gluon.jit
+def _dkdv_scores(kt, vt, q, do, rows_buf, stage, qk_scale, first, lo, hi, MASKED: gl.constexpr,
+                 s_layout: gl.constexpr):
+    """P^T and dS^T [64 keys, ROWS] fp32 of one item: both score-side MMAs issued together, P^T computed
+    while dP^T runs. The MMAs start from the row terms of the stage's row buffer broadcast over the keys
+    (``-lse / scale``, ``-delta``: no registers held for them beside the accumulators). ``MASKED``: selected
+    to 0 on the keys outside ``[lo, hi)``."""
+    KROWS: gl.constexpr = kt.shape[0]
+    ROWS: gl.constexpr = q.shape[0]
+    row_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
+    nlse = gl.zeros([KROWS, ROWS], gl.float32, s_layout) + \
+        gl.expand_dims(rows_buf.index(2 * stage).load(row_vec), 0)
+    st = warpgroup_mma(kt, q.permute((1, 0)), nlse, is_async=True)
+    ndlt = gl.zeros([KROWS, ROWS], gl.float32, s_layout) + \
+        gl.expand_dims(rows_buf.index(2 * stage + 1).load(row_vec), 0)
+    dpt = warpgroup_mma(vt, do.permute((1, 0)), ndlt, is_async=True)
+    st = warpgroup_mma_wait(1, deps=(st, ))  # in order: one outstanding means S^T is done
+    pt = gl.exp2(st * qk_scale)
+    if MASKED:
+        keys = first + gl.arange(0, KROWS, gl.SliceLayout(1, s_layout))
+        seen = gl.expand_dims((keys >= lo) & (keys < hi), 1)
+        pt = gl.where(seen, pt, 0.0)
+    dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+    dst = pt * dpt
+    if MASKED:
+        # A select, not a product: 0 also where the key's K or V is not finite.
+        dst = gl.where(seen, dst, 0.0)
+    return pt, dst
+
+
+@gluon.jit
+def _dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, first, lo, hi, MASKED: gl.constexpr,
+               s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """One item: dV += P^T dO and dK += dS^T Q in place, P^T and dS^T from registers (``MASKED``: selected to
+    0 on the consumer's keys outside ``[lo, hi)``)."""
+    dtype: gl.constexpr = q.dtype
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    pt, dst = _dkdv_scores(kt, vt, q, do, rows_buf, stage, qk_scale, first, lo, hi, MASKED, s_layout)
+    p_op = gl.convert_layout(pt.to(dtype), op_layout)
+    ds_op = gl.convert_layout(dst.to(dtype), op_layout)
+    dv = warpgroup_mma(p_op, do, dv, is_async=True)
+    dk = warpgroup_mma(ds_op, q, dk, is_async=True)
+    dk, dv, p_op, ds_op = warpgroup_mma_wait(0, deps=(dk, dv, p_op, ds_op))
+    return dk, dv
+
+
+@gluon.jit
+def _dkdv_store(acc, buf, ptr, b, hk, first, Tk, Hkv, D: gl.constexpr):
+    """Keys ``first + [0, 64)`` of ``acc`` (fp32, the accumulator layout) to ``ptr`` (``[B, Tk, Hkv, D]``)
+    through the shared buffer ``buf`` (a K / V box no MMA reads any more), rows past ``Tk`` left out."""
+    KROWS: gl.constexpr = acc.shape[0]
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+    tile = buf.reshape([KROWS, D])
+    tile.store(acc.to(ptr.dtype.element_ty))
+    keys = first + gl.arange(0, KROWS, gl.SliceLayout(1, io_layout))
+    offs = gl.expand_dims(((b.to(gl.int64) * Tk + keys) * Hkv + hk) * D, 1) + \
+        gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, io_layout)), 0)
+    gl.store(ptr + offs, tile.load(io_layout), mask=gl.expand_dims(keys < Tk, 1))
+
+
+@gluon.jit
+def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar,
+                   ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv, qk_scale, sm_scale,
+                   WG: gl.constexpr, G: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program."""
+    BQ: gl.constexpr = q_smem.shape[2]
+    GH: gl.constexpr = q_smem.shape[3]
+    D: gl.constexpr = q_smem.shape[4]
+    ROWS: gl.constexpr = BQ * GH
+    NC: gl.constexpr = G // GH
+    KROWS: gl.constexpr = k_smem.shape[2]
+    s_layout: gl.constexpr = score_layout(ROWS)
+    o_layout: gl.constexpr = score_layout(D)
+    first = n0 + WG * KROWS
+    dk = gl.zeros([KROWS, D], gl.float32, o_layout)
+    dv = gl.zeros([KROWS, D], gl.float32, o_layout)
+    kt = k_smem.index(WG).reshape([KROWS, D])
+    vt = v_smem.index(WG).reshape([KROWS, D])
+    mbarrier.wait(kv_bar, 0)
+    for i in range(n_items):
+        stage = i % NUM_STAGES
+        # A whole-tile entry sees every key of the tile; a masked one its segment [lo, hi) of it.
+        # (Loads predicated off for whole-tile entries: no latency on the common path.)
+        masked = i >= n_full
+        entry = rev_entries + 2 * (e_start + i // NC)
+        g = gl.load(entry, mask=masked, other=0)
+        seg = segments + ((bm.to(gl.int64) * NG + g) * MS + gl.load(entry + 1, mask=masked, other=0)) * 4
+        lo = gl.load(seg, mask=masked, other=0)
+        hi = gl.load(seg + 1, mask=masked, other=2147483647)
+        whole = (first >= lo) & (first + KROWS <= hi)
+        some = (first < hi) & (first + KROWS > lo)
+        mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+        q = q_smem.index(stage).reshape([ROWS, D])
+        do = do_smem.index(stage).reshape([ROWS, D])
+        if whole:
+            dk, dv = _dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, first, lo, hi, False, s_layout,
+                                o_layout)
+        elif some:
+            dk, dv = _dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, first, lo, hi, True, s_layout,
+                                o_layout)
+        mbarrier.arrive(empty.index(stage))
+    # Every MMA that read this consumer's K / V boxes has completed: they stage the stores.
+    _dkdv_store(dk * sm_scale, k_smem.index(WG), dk_ptr, b, hk, first, Tk, Hkv, D)
+    _dkdv_store(dv, v_smem.index(WG), dv_ptr, b, hk, first, Tk, Hkv, D)
+
+
+@gluon.jit
+def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta_ptr, segments, rev_offsets,
+                 rev_full, rev_entries, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, NBH, qk_scale, sm_scale,
+                 G: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 PRODUCER_REGS: gl.constexpr):
+    """One program: the 128-key tile ``pid // NBH`` of (batch, kv head) ``pid % NBH`` (``NBH = B * Hkv``):
+    key tiles in ascending order with the heads fastest, as the portable dk / dv kernel (kernels.py: the first
+    keys are seen by the most groups; every head's heavy tiles start first)."""
+    BQ: gl.constexpr = q_desc.block_type.shape[1]
+    GH: gl.constexpr = q_desc.block_type.shape[2]
+    D: gl.constexpr = q_desc.block_type.shape[3]
+    ROWS: gl.constexpr = BQ * GH
+    KROWS: gl.constexpr = k_desc.block_type.shape[1]
+    NC: gl.constexpr = G // GH
+    gl.static_assert((D == 64) or (D == 128), "head dim 64 or 128")
+    gl.static_assert(KROWS == 64, "a consumer warpgroup owns 64 keys")
+    gl.static_assert((ROWS == 16) or (ROWS == 32) or (ROWS == 64), "q_block * GH rows: 16, 32 or 64")
+    gl.static_assert(G % GH == 0, "GH divides the GQA group")
+
+    pid = gl.program_id(0)
+    pid_n = pid // NBH
+    pid_bh = pid % NBH
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    bm = b % MB
+    n0 = pid_n * (2 * KROWS)
+    key_tile = bm.to(gl.int64) * NKV + pid_n
+    e_start = gl.load(rev_offsets + key_tile)
+    n_full = gl.load(rev_full + key_tile) * NC
+    n_items = (gl.load(rev_offsets + key_tile + 1) - e_start) * NC
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NUM_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NUM_STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
+    row_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, ROWS],
+                                         gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # per-row-vector layout
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=2)
+    # The barriers are completed by TMA (the async proxy): make their initialisation visible to it.
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_dkdv_consumer, (dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem,
+                          kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
+                          qk_scale, sm_scale, 0, G, NUM_STAGES)),
+        (_dkdv_consumer, (dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem,
+                          kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
+                          qk_scale, sm_scale, 1, G, NUM_STAGES)),
+        (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem,
+                          k_smem, v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq,
+                          sm_scale, G, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------------------ dq
+
+
+@gluon.jit
+def _dq_consumer(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_smem, do_smem, k_smem, v_smem, k_ready, k_empty,
+                 v_ready, v_empty, b, g, h0, Tq, NG, Hq, n_tiles, start0, n0, start1, lo0, hi0, lo1, hi1,
+                 qk_scale, sm_scale, WG: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr, BN: gl.constexpr,
+                 NUM_STAGES: gl.constexpr):
+    """Consumer warpgroup ``WG``: dQ of query group ``g`` x heads ``h0 + [0, GH)`` over the program's key walk,
+    masked to its segments ``[lo0, hi0)`` and ``[lo1, hi1)``."""
+    ROWS: gl.constexpr = q_smem.shape[1]
+    D: gl.constexpr = q_smem.shape[2]
+    dtype: gl.constexpr = q_smem.dtype
+    OWN: gl.constexpr = NUM_STAGES + WG
+    s_layout: gl.constexpr = score_layout(BN)
+    o_layout: gl.constexpr = score_layout(D)
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+
+    r = gl.arange(0, ROWS, gl.SliceLayout(1, io_layout))
+    t = g * BQ + r // GH
+    live = (r < BQ * GH) & (g < NG) & (t < Tq)
+    row_off = ((b.to(gl.int64) * Tq + t) * Hq + h0 + r % GH) * D
+    offs = gl.expand_dims(row_off, 1) + gl.expand_dims(gl.arange(0, D, gl.SliceLayout(0, io_layout)), 0)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    q.store(gl.load(q_ptr + offs, mask=gl.expand_dims(live, 1), other=0.0))
+    do.store(gl.load(do_ptr + offs, mask=gl.expand_dims(live, 1), other=0.0))
+    rows = gl.arange(0, ROWS, gl.SliceLayout(1, s_layout))
+    t_s = g * BQ + rows // GH
+    live_s = (rows < BQ * GH) & (g < NG) & (t_s < Tq)
+    row = (b.to(gl.int64) * Hq + h0 + rows % GH) * Tq + t_s
+    lse2 = gl.load(lse_ptr + row, mask=live_s, other=float("-inf")) * _LOG2E
+    lse2 = gl.expand_dims(gl.where(lse2 == float("-inf"), float("inf"), lse2), 1)  # P = 0: dead, unseeing rows
+    dlt = gl.expand_dims(gl.load(delta_ptr + row, mask=live_s, other=0.0), 1)
+    fence_async_shared()  # the warpgroup MMAs read q and do through the async proxy
+
+    dq = gl.zeros([ROWS, D], gl.float32, o_layout)
+    zero = gl.zeros([ROWS, BN], gl.float32, s_layout)
+    for j in range(n_tiles):
+        stage = j % NUM_STAGES
+        phase = (j // NUM_STAGES) & 1
+        n, lo, hi = _tile_keys(j, start0, n0, start1, lo0, hi0, lo1, hi1, BN)
+        masked = (n < lo) | (n + BN > hi)
+        mbarrier.wait(k_ready.index(stage), phase)
+        s = warpgroup_mma(q, k_smem.index(stage).reshape([BN, D]).permute((1, 0)), zero, use_acc=False,
+                          is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp = warpgroup_mma(do, v_smem.index(stage).reshape([BN, D]).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        p = gl.exp2(s * qk_scale - lse2)
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        mbarrier.arrive(v_empty.index(stage))
+        ds = p * (dp - dlt)
+        if masked:
+            cols = n + gl.arange(0, BN, gl.SliceLayout(0, s_layout))
+            # A select, not a product: dS of unseen keys is exactly 0 also where their K or V is not finite.
+            ds = gl.where(gl.expand_dims((cols >= lo) & (cols < hi), 0), ds, 0.0)
+            _visible_values(k_smem, stage, OWN, n, lo, hi, BN, D)
+        ds_op = gl.convert_layout(ds.to(dtype), op_layout)
+        slot = gl.where(masked, OWN, stage)
+        dq = warpgroup_mma(ds_op, k_smem.index(slot).reshape([BN, D]), dq, is_async=True)
+        dq, ds_op = warpgroup_mma_wait(0, deps=(dq, ds_op))
+        mbarrier.arrive(k_empty.index(stage))
+
+    # Every MMA that read q has completed: its buffer carries dq to the store layout.
+    q.store((dq * sm_scale).to(dtype))
+    gl.store(dq_ptr + offs, q.load(io_layout), mask=gl.expand_dims(live, 1))
+
+
+@gluon.jit
+def _dq_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, k_desc, v_desc, segments, seg_count, Tq, NG, MS, MB,
+               Hq, Hkv, NBH, qk_scale, sm_scale, G: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr,
+               BN: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               PRODUCER_REGS: gl.constexpr):
+    """One program: query groups ``2i, 2i + 1`` x ``GH`` heads of one kv head, the forward's grid and order
+    (kernels_gluon_sm90_dflash.py's ``_dflash_fwd_ws_kernel``)."""
+    D: gl.constexpr = k_desc.block_type.shape[2]
+    ROWS: gl.constexpr = 64
+    gl.static_assert((D == 64) or (D == 128), "head dim 64 or 128")
+    gl.static_assert(k_desc.block_type.shape[1] == BN, "K boxes are BN keys")
+    gl.static_assert(BQ * GH <= ROWS, "a consumer warpgroup's rows are one query group x GH heads")
+    gl.static_assert(G % GH == 0, "GH divides the GQA group")
+
+    pid = gl.program_id(0)
+    n_pairs = (NG + 1) // 2
+    pair = n_pairs - 1 - pid % n_pairs
+    pid_bh = pid // n_pairs
+    NC: gl.constexpr = G // GH
+    b = pid_bh // (Hkv * NC)
+    hk = (pid_bh // NC) % Hkv
+    h0 = hk * G + (pid_bh % NC) * GH
+    g0 = 2 * pair
+    bm = b % MB
+    lo00, hi00, lo01, hi01 = _group_segments(segments, seg_count, bm, g0, NG, MS)
+    lo10, hi10, lo11, hi11 = _group_segments(segments, seg_count, bm, g0 + 1, NG, MS)
+    start0, n0 = _union(lo00, hi00, lo10, hi10, BN)
+    start1, n1 = _union(lo01, hi01, lo11, hi11, BN)
+    n_tiles = n0 + n1
+
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], k_desc.dtype)
+    q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], row_layout)
+    do_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], row_layout)
+    # K: the ring's stages, then one slot per consumer for its masked tiles' copies.
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES + 2] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_ready, k_empty, v_ready, v_empty, turn = _init_ring(NUM_STAGES)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_dq_consumer, (q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_smem, do_smem, k_smem, v_smem, k_ready,
+                        k_empty, v_ready, v_empty, b, g0, h0, Tq, NG, Hq, n_tiles, start0, n0, start1, lo00, hi00,
+                        lo01, hi01, qk_scale, sm_scale, 0, BQ, GH, BN, NUM_STAGES)),
+        (_dq_consumer, (q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_smem, do_smem, k_smem, v_smem, k_ready,
+                        k_empty, v_ready, v_empty, b, g0 + 1, h0, Tq, NG, Hq, n_tiles, start0, n0, start1, lo10,
+                        hi10, lo11, hi11, qk_scale, sm_scale, 1, BQ, GH, BN, NUM_STAGES)),
+        (_dq_producer, (k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, n_tiles,
+                        start0, n0, start1, BN, NUM_STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+@gluon.jit
+def _dq_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, n_tiles, start0,
+                 n0, start1, BN: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA loads of the program's key walk (both groups' union), K and V tile by tile into the ring."""
+    _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, hk, n_tiles, start0, n0,
+             start1, BN, NUM_STAGES)
+
+
+# ------------------------------------------------------------------------------------------------ launcher
+
+
+def _reverse_index_128(mask):
+    """The mask's reverse index for 128-key tiles (the dk / dv programs' width): its own when built for 128,
+    else rebuilt on the device with the mask's builder (mask.py; no host synchronisation, the segments'
+    length bounded by the key count)."""
+    from dflash_kernels.ops.attention import mask as mask_mod
+
+    if mask.kv_tile == DKDV_BN:
+        return mask.rev_offsets, mask.rev_full, mask.rev_entries
+    build = mask_mod._reverse_index_triton if mask_mod._use_triton_builder(mask.device) else mask_mod._reverse_index
+    return build(mask.segments.contiguous(), mask.seg_count.contiguous(), mask.q_block, mask.q_len, mask.kv_len,
+                 DKDV_BN, mask.kv_len)
+
+
+def gluon_dflash_bwd_supported(mask, G: int) -> bool:
+    """Whether the dk / dv kernel takes the mask's row packing: ``q_block * GH`` rows of 16, 32 or 64."""
+    return mask.q_block * gluon_dflash_rows(mask.q_block, G) in (16, 32, 64)
+
+
+def attention_bwd_gluon_sm90_dflash(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    o: torch.Tensor, lse: torch.Tensor, mask, scale: float, delta=None,
+                                    check_mask: bool = True) -> tuple:
+    """The backward of ``block_sparse_attention(q, k, v, mask, scale)`` on an sm_90 GPU for a DFlash-form mask
+    (``check_gluon_dflash_mask``): ``(dq, dk, dv)`` like q, k, v, the contract of the portable launcher
+    ``attention_bwd`` (rows that see nothing get dq 0 and add nothing; keys nobody sees get dk, dv 0).
+
+    ``o``, ``lse`` the forward's outputs (natural-log lse fp32 ``[B, Hq, Tq]``), ``do`` the gradient of o;
+    ``delta`` (fp32 ``[B, Hq, Tq]``, ``rowsum(o * do)``) when already computed, else the portable preprocess
+    kernel computes it. q, k, v contiguous bf16 / fp16 with D in (64, 128), TMA-aligned as the forward needs.
+    A mask whose rows per query group (``q_block * GH``, module docstring) are not 16, 32 or 64 runs the
+    portable backward instead. ``check_mask=False`` skips the mask's form check (a device synchronisation).
+    """
+    from dflash_kernels.ops.attention.attention import attention_bwd
+    from dflash_kernels.ops.attention.kernels import attention_bwd_preprocess_kernel
+    from dflash_kernels.runtime import bucket, cdiv
+
+    checks.check_attention_inputs(q, k, v, mask, scale)
+    if check_mask:
+        check_gluon_dflash_mask(mask)
+    assert q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9, "needs an sm_90 GPU"
+    assert q.dtype in (torch.bfloat16, torch.float16), "bf16 or fp16"
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    assert D in (64, 128), "head dim 64 or 128"
+    do = do.contiguous()
+    for name, x in (("q", q), ("k", k), ("v", v), ("o", o), ("do", do)):
+        assert x.is_contiguous(), f"{name} must be contiguous"
+        assert x.data_ptr() % 16 == 0, f"{name}: TMA needs a 16-byte aligned base address"
+    if not gluon_dflash_bwd_supported(mask, G):
+        fields = (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries)
+        return attention_bwd(do, q, k, v, o, lse, *(t.contiguous() for t in fields), mask.q_block, mask.kv_tile,
+                             mask.tile_width, scale)
+    dq = alloc.empty_like(q)
+    dk = alloc.empty_like(k)
+    dv = alloc.empty_like(v)
+    if B == 0 or Tq == 0 or Tk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    lse = lse.contiguous()
+    if delta is None:
+        delta = alloc.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+        attention_bwd_preprocess_kernel(
+            lambda m: (cdiv(Tq, m["BT"]), B * Hq), o, do, delta, Tq, Hq,
+            o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+            bucket=(bucket(Tq), 1), D=D)
+    delta = delta.contiguous()
+    GH = gluon_dflash_rows(mask.q_block, G)
+    MB, NG, MS, _ = mask.segments.shape
+    segments, seg_count = mask.segments.contiguous(), mask.seg_count.contiguous()
+
+    cfg = dq_config(D)
+    NBH = B * Hkv * (G // GH)
+    _dq_kernel[(triton.cdiv(NG, 2) * NBH, )](
+        q, do, lse, delta, dq, descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]), segments, seg_count,
+        Tq, NG, MS, MB, Hq, Hkv, NBH, scale * LOG2E, scale,
+        G=G, BQ=mask.q_block, GH=GH, BN=cfg["BN"], NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+
+    cfg = dkdv_config(D)
+    rev_offsets, rev_full, rev_entries = _reverse_index_128(mask)
+    NKV = triton.cdiv(Tk, DKDV_BN)
+    _dkdv_kernel[(NKV * B * Hkv, )](
+        row_descriptor(q, mask.q_block, GH), row_descriptor(do, mask.q_block, GH), descriptor(k, KH),
+        descriptor(v, KH), dk, dv, lse, delta, segments, rev_offsets, rev_full, rev_entries,
+        Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, B * Hkv, scale * LOG2E, scale,
+        G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        num_warps=4, maxnreg=MAXNREG)
+    return dq, dk, dv
