@@ -67,7 +67,8 @@ assert KERNELS, "no TritonKernel found in dflash_kernels/ops/*/kernels*.py"
 # Names the discovery must find (a kernel renamed or no longer found by the walk fails the test below).
 KNOWN = {
     "block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv", "block_sparse_attn_bwd_pre",
-    "block_sparse_attn_fwd_gluon_sm90", "block_sparse_attn_fwd_gluon_sm90_dflash", "mask_rev_count", "mask_rev_fill",
+    "block_sparse_attn_fwd_gluon_sm90", "block_sparse_attn_fwd_gluon_sm90_dflash",
+    "block_sparse_attn_bwd_gluon_sm90_dq", "block_sparse_attn_bwd_gluon_sm90_dkdv", "mask_rev_count", "mask_rev_fill",
     "causal_conv1d_fwd", "causal_conv1d_bwd", "causal_conv1d_update",
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
@@ -130,7 +131,7 @@ def _attention(size, dtype):
 
 
 def _attention_gluon_dflash(size, dtype):
-    """The Hopper DFlash forward through the op (GQA 4: its 64-row groups), the portable backward after it."""
+    """The Hopper DFlash forward and backward through the op (GQA 4: their 64-row groups)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon forward needs an sm_90 GPU")
     _attention_dflash(size, dtype, "triton", Hq=8)
@@ -146,7 +147,7 @@ def _attention_gluon_causal(size, dtype):
     B, Tq, Tk, Hq, Hkv = (2, 2048, 2048, 8, 2) if size == "real" else (1, 1001, 1117, 6, 3)
     mask = causal_block_mask(Tq, Tk, q_block=64, device="cuda")
     q, k, v, do = make_qkv(B, Tq, Tk, Hq, Hkv, 128, dtype)
-    check_against_reference(q, k, v, do, mask, dtype)
+    check_against_reference(q, k, v, do, mask, dtype, rms_rows=True)  # the first rows' dq is ~0 (one key)
 
 
 def _attention_fwd_sm90(size, dtype):
@@ -373,7 +374,8 @@ DRIVERS = {
     **{n: _attention for n in ("block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv",
                                "block_sparse_attn_bwd_pre", "mask_rev_count", "mask_rev_fill")},
     "block_sparse_attn_fwd_sm90": _attention_fwd_sm90,
-    "block_sparse_attn_fwd_gluon_sm90_dflash": _attention_gluon_dflash,
+    **{f"block_sparse_attn_{n}_gluon_sm90{s}": _attention_gluon_dflash
+       for n, s in (("fwd", "_dflash"), ("bwd", "_dq"), ("bwd", "_dkdv"))},
     "block_sparse_attn_fwd_gluon_sm90": _attention_gluon_causal,
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]

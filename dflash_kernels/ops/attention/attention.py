@@ -9,7 +9,8 @@ from dflash_kernels.ops.attention.kernels import (attention_bwd_dkdv_kernel, att
                                                   attention_bwd_preprocess_kernel, attention_fwd_kernel)
 from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
 from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import dflash_fwd, gluon_dflash_rows
-from dflash_kernels.ops.attention.mask import dflash_block_mask
+from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import attention_bwd_gluon_sm90_dflash
+from dflash_kernels.ops.attention.mask import BlockSparseMask, dflash_block_mask
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
 from dflash_kernels.runtime.autograd import differentiable_op, eager_call
 from dflash_kernels.runtime.errors import BackendUnavailable
@@ -53,7 +54,8 @@ def choose_forward(major, dtype, D: int, G: int, aligned: tuple, mask) -> str:
     warpgroup (``q_block`` x the query heads packed per kv head = 64: 16-token blocks at GQA 4 or 8; with fewer
     rows the warpgroup MMA runs partly empty, untimed against the portable forward); the dense one
     ``causal_block_mask`` masks. Everything else runs the portable forward, which takes every mask, dtype and
-    head dim. The backward is the portable one for all; it reads the forward's o and lse."""
+    head dim. The Gluon DFlash forward's backward is its Gluon sibling (kernels_gluon_sm90_dflash_bwd.py); every
+    other forward's backward is the portable one, which reads the forward's o and lse."""
     if major != 9 or dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128) or not aligned[0]:
         return PORTABLE
     if mask.form == "dflash" and mask.tiles.shape[0] == 0 and mask.segments.shape[2] <= 2 and mask.q_block <= 64:
@@ -161,23 +163,29 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             lse: torch.Tensor, segments: torch.Tensor, seg_count: torch.Tensor, tiles: torch.Tensor,
             rev_offsets: torch.Tensor, rev_full: torch.Tensor,
             rev_entries: torch.Tensor, q_block: int, kv_tile: int,
-            tile_width: int, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return attention_bwd(do.contiguous(), q, k, v, o, lse, segments, seg_count, tiles, rev_offsets,
+            tile_width: int, scale: float, path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do = do.contiguous()
+    if path == GLUON_DFLASH and do.data_ptr() % 16 == 0:  # after the Gluon DFlash forward: its backward sibling
+        mask = BlockSparseMask(segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_len=q.shape[1],
+                               kv_len=k.shape[1], q_block=q_block, kv_tile=kv_tile, tile_width=tile_width,
+                               form="dflash")
+        return attention_bwd_gluon_sm90_dflash(do, q, k, v, o, lse, mask, scale, check_mask=False)
+    return attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets,
                          rev_full, rev_entries, q_block, kv_tile, tile_width, scale)
 
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile,
-      tile_width, scale):
+      tile_width, scale, path):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_block, kv_tile, tile_width, scale, _ = (
-        inputs)
+    q, k, v, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries = inputs[:9]
+    q_block, kv_tile, tile_width, scale, path = inputs[9:]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, segments, seg_count, tiles, rev_offsets, rev_full, rev_entries)
-    ctx.meta = (q_block, kv_tile, tile_width, scale)
+    ctx.meta = (q_block, kv_tile, tile_width, scale, path)
     ctx.mark_non_differentiable(lse)
 
 

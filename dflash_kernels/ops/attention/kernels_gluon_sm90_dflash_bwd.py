@@ -79,11 +79,11 @@ keys it does not see and ``dQ += dS K`` reads a copy of the K tile in the consum
 those keys' rows zeroed (``_visible_values``; ``k_smem`` slots ``NUM_STAGES + WG``). Fully seen tiles read the
 ring. Key tiles: ``dq_config`` (64 keys at D = 128, for the two extra K slots to fit shared memory).
 
-Not wired into the op's dispatch: nothing imports this module but the tests and studies.
+The op's dispatch (attention.py) runs this backward after the Gluon DFlash forward (``forward_path``
+"gluon_sm90_dflash"); other masks, dtypes, head dims and GPUs take the portable backward.
 """
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -91,12 +91,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dflash_kernels.ops.attention import checks
-from dflash_kernels.ops.attention.kernels_gluon_sm90 import (CONSUMER_REGS, LOG2E, MAXNREG, PRODUCER_REGS,
+from dflash_kernels.ops.attention.kernels_gluon_sm90 import (CONSUMER_REGS, GLUON_CONFIGS, LOG2E, PRODUCER_REGS,
                                                              _init_ring, _load_kv, _tile_keys, _visible_values,
                                                              descriptor, score_layout, smem_layout)
 from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import (_group_segments, _union,
                                                                     check_gluon_dflash_mask, gluon_dflash_rows)
-from dflash_kernels.runtime import alloc
+from dflash_kernels.runtime import TritonKernel, alloc, bucket, cdiv
 
 __all__ = ["attention_bwd_gluon_sm90_dflash", "dkdv_config", "dq_config"]
 
@@ -502,7 +502,6 @@ def attention_bwd_gluon_sm90_dflash(do: torch.Tensor, q: torch.Tensor, k: torch.
     """
     from dflash_kernels.ops.attention.attention import attention_bwd
     from dflash_kernels.ops.attention.kernels import attention_bwd_preprocess_kernel
-    from dflash_kernels.runtime import bucket, cdiv
 
     checks.check_attention_inputs(q, k, v, mask, scale)
     if check_mask:
@@ -540,19 +539,26 @@ def attention_bwd_gluon_sm90_dflash(do: torch.Tensor, q: torch.Tensor, k: torch.
 
     cfg = dq_config(D)
     NBH = B * Hkv * (G // GH)
-    _dq_kernel[(triton.cdiv(NG, 2) * NBH, )](
-        q, do, lse, delta, dq, descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]), segments, seg_count,
-        Tq, NG, MS, MB, Hq, Hkv, NBH, scale * LOG2E, scale,
+    buckets = (bucket(Tq), bucket(Tk))
+    attention_bwd_gluon_dq_kernel(
+        (cdiv(NG, 2) * NBH, ), q, do, lse, delta, dq, descriptor(k, cfg["BN"]), descriptor(v, cfg["BN"]), segments,
+        seg_count, Tq, NG, MS, MB, Hq, Hkv, NBH, scale * LOG2E, scale, bucket=buckets,
         G=G, BQ=mask.q_block, GH=GH, BN=cfg["BN"], NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4, maxnreg=MAXNREG)
+        PRODUCER_REGS=PRODUCER_REGS)
 
     cfg = dkdv_config(D)
     rev_offsets, rev_full, rev_entries = _reverse_index_128(mask)
-    NKV = triton.cdiv(Tk, DKDV_BN)
-    _dkdv_kernel[(NKV * B * Hkv, )](
-        row_descriptor(q, mask.q_block, GH), row_descriptor(do, mask.q_block, GH), descriptor(k, KH),
-        descriptor(v, KH), dk, dv, lse, delta, segments, rev_offsets, rev_full, rev_entries,
-        Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, B * Hkv, scale * LOG2E, scale,
-        G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=4, maxnreg=MAXNREG)
+    NKV = cdiv(Tk, DKDV_BN)
+    attention_bwd_gluon_dkdv_kernel(
+        (NKV * B * Hkv, ), row_descriptor(q, mask.q_block, GH), row_descriptor(do, mask.q_block, GH),
+        descriptor(k, KH), descriptor(v, KH), dk, dv, lse, delta, segments, rev_offsets, rev_full, rev_entries,
+        Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, B * Hkv, scale * LOG2E, scale, bucket=buckets,
+        G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     return dq, dk, dv
+
+
+# Launched through the runtime's kernel cache with the forwards' one launch config (kernels_gluon_sm90.py).
+attention_bwd_gluon_dq_kernel = TritonKernel(_dq_kernel, name="block_sparse_attn_bwd_gluon_sm90_dq",
+                                             configs=GLUON_CONFIGS)
+attention_bwd_gluon_dkdv_kernel = TritonKernel(_dkdv_kernel, name="block_sparse_attn_bwd_gluon_sm90_dkdv",
+                                               configs=GLUON_CONFIGS)
