@@ -500,6 +500,7 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
         kernel = kernels_gluon_sm90_dflash.attention_fwd_gluon_dflash_kernel
     q, k, v, do = make_qkv(B, Tq, Tk, Hq, Hkv, D, dtype, seed=D)
     kernel.reset()
+    attention_bwd_gluon_dkdv_kernel.reset()
     causal = form == "causal"
     o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype, dense=dense, rms_rows=causal)
     assert kernel.cache_info(), "the Gluon forward did not run"
