@@ -143,7 +143,7 @@ def _dflash_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, 
              start1, BN, NUM_STAGES)
 
 
-@gluon.jit(do_not_specialize=["Tq", "NG", "MS", "MB", "NBH"])
+@gluon.jit
 def _dflash_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, segments, seg_count, Tq, NG, MS, MB, Hq, Hkv,
                           NBH, qk_scale, G: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr, BN: gl.constexpr,
                           NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
