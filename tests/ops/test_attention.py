@@ -432,28 +432,28 @@ def test_forward_choice_by_mask_form_dtype_and_gpu():
     anchors = torch.tensor([[3, 9, 20]])
     dflash = dflash_block_mask(anchors, 24, 16)
     causal = causal_block_mask(40, q_block=64)
-    bf16, ok = torch.bfloat16, (True, True)
-    assert choose_forward(9, bf16, 128, 4, ok, dflash) == "gluon_sm90_dflash"
-    assert choose_forward(9, torch.float16, 64, 8, ok, dflash) == "gluon_sm90_dflash"
-    assert choose_forward(9, bf16, 128, 4, ok, causal) == "gluon_sm90_causal"
-    assert choose_forward(9, bf16, 128, 1, ok, causal) == "gluon_sm90_causal"
+    bf16 = torch.bfloat16
+    assert choose_forward(9, bf16, 128, 4, dflash) == "gluon_sm90_dflash"
+    assert choose_forward(9, torch.float16, 64, 8, dflash) == "gluon_sm90_dflash"
+    assert choose_forward(9, bf16, 128, 4, causal) == "gluon_sm90_causal"
+    assert choose_forward(9, bf16, 128, 1, causal) == "gluon_sm90_causal"
     portable = [
-        (8, bf16, 128, 4, ok, dflash),  # not Hopper
-        (10, bf16, 128, 4, ok, dflash),
-        (None, bf16, 128, 4, ok, dflash),  # not a CUDA input under backend triton
-        (9, torch.float32, 128, 4, ok, dflash),
-        (9, bf16, 256, 4, ok, dflash),
-        (9, bf16, 128, 2, ok, dflash),  # 16 x 2 rows: half a warpgroup
-        (9, bf16, 128, 4, (False, True), dflash),  # k / v not 16-byte aligned
-        (9, bf16, 128, 4, (True, False), causal),  # q not aligned: the dense kernel reads it by TMA
-        (9, bf16, 128, 4, ok, dflash_block_mask(anchors, 24, 8)),  # 8-token blocks: 32 rows
-        (9, bf16, 128, 4, ok, dataclasses.replace(dflash, form="general")),
+        (8, bf16, 128, 4, dflash),  # not Hopper
+        (10, bf16, 128, 4, dflash),
+        (None, bf16, 128, 4, dflash),  # not a CUDA input under backend triton
+        (9, torch.float32, 128, 4, dflash),
+        (9, bf16, 256, 4, dflash),
+        (9, bf16, 128, 2, dflash),  # 16 x 2 rows: half a warpgroup
+        (9, bf16, 128, 4, dflash_block_mask(anchors, 24, 8)),  # 8-token blocks: 32 rows
+        (9, bf16, 128, 4, dataclasses.replace(dflash, form="general")),
+        (9, torch.float16, 128, 4, causal),  # the dense forward: bf16 at D 128 only (what has run on a GPU)
+        (9, bf16, 64, 4, causal),
     ]
     for args in portable:
         assert choose_forward(*args) == "portable", args[:4]
     t, kv = torch.arange(40)[:, None], torch.arange(50)[None, :]
     flex = from_flex_block_mask(_flex_block_mask(lambda b, h, q, k: k <= q, 40, 50))
-    assert flex.form == "general" and choose_forward(9, bf16, 128, 4, ok, flex) == "portable"
+    assert flex.form == "general" and choose_forward(9, bf16, 128, 4, flex) == "portable"
     assert dflash.to("cpu").form == "dflash" and torch.equal(naive_dense_mask(flex)[0], kv <= t)
 
 
@@ -478,6 +478,7 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
     lse and every gradient against the fp32 reference, and o against backend ``portable`` on the same inputs."""
     from dflash_kernels import set_backend
     from dflash_kernels.ops.attention import kernels_gluon_sm90, kernels_gluon_sm90_dflash
+    from dflash_kernels.ops.attention.attention import forward_path
     from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import attention_bwd_gluon_dkdv_kernel
 
     g = torch.Generator().manual_seed(D)
@@ -503,9 +504,11 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
     attention_bwd_gluon_dkdv_kernel.reset()
     causal = form == "causal"
     o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype, dense=dense, rms_rows=causal)
-    assert kernel.cache_info(), "the Gluon forward did not run"
-    if not causal:
-        assert attention_bwd_gluon_dkdv_kernel.cache_info(), "the Gluon backward did not run"
+    gluon_fwd = forward_path(q, k, v, mask) != "portable"
+    assert gluon_fwd == (not causal or (dtype == torch.bfloat16 and D == 128)), forward_path(q, k, v, mask)
+    assert bool(kernel.cache_info()) == gluon_fwd, "the Gluon forward ran where it should not, or did not run"
+    gluon_bwd = not causal and dtype == torch.bfloat16 and D == 128
+    assert bool(attention_bwd_gluon_dkdv_kernel.cache_info()) == gluon_bwd, "the Gluon backward's choice"
     set_backend("attention", "portable")
     try:
         kernel.reset()
@@ -514,3 +517,34 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
     finally:
         set_backend("attention", "auto")
     assert rel_err(o, po) < TOL[dtype] and torch.equal(lse.isinf(), plse.isinf())
+
+
+@needs_kernels
+def test_backward_after_the_gluon_forward_hands_the_mask_to_its_backward(monkeypatch):
+    """The custom op's backward under path ``gluon_sm90_dflash`` gives the Gluon backward the mask it was
+    called with (rebuilt from the saved tensors: fields, sizes, form) and returns its gradients; with the
+    Gluon launcher replaced by the portable backward on that mask, the gradients equal the portable path's.
+    (The Gluon kernels themselves run only on an sm_90 GPU: the tests above.)"""
+    import dflash_kernels.ops.attention.attention as att
+
+    anchors = torch.tensor([[5, 19, 30, 2]]).to(DEVICE)
+    mask = dflash_block_mask(anchors, 33, 16, window=20, kv_tile=16)
+    q, k, v, do = make_qkv(1, 64, 33 + 64, 4, 1, 64, torch.float32, seed=3)
+    o, lse = block_sparse_attention(q, k, v, mask, return_lse=True)
+    fields = (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries)
+    seen = []
+
+    def fake_gluon_backward(do_, q_, k_, v_, o_, lse_, m, scale, check_mask):
+        seen.append(m)
+        assert m.form == "dflash" and not check_mask and (m.q_len, m.kv_len, m.q_block, m.kv_tile) == (64, 97, 16, 16)
+        assert all(a is b for a, b in zip(fields, (m.segments, m.seg_count, m.tiles, m.rev_offsets, m.rev_full,
+                                                   m.rev_entries)))
+        return att.attention_bwd(do_, q_, k_, v_, o_, lse_, *fields, m.q_block, m.kv_tile, m.tile_width, scale)
+
+    monkeypatch.setattr(att, "_gluon_backward", lambda *a: True)
+    monkeypatch.setattr(att, "attention_bwd_gluon_sm90_dflash", fake_gluon_backward)
+    args = (do, q, k, v, o, lse, *fields, 16, 16, 1, 0.125)
+    got = att._bwd_op(*args, att.GLUON_DFLASH)
+    assert len(seen) == 1
+    want = att._bwd_op(*args, att.PORTABLE)
+    assert len(seen) == 1 and all(torch.equal(a, b) for a, b in zip(got, want))

@@ -37,33 +37,50 @@ def _capability_major(device) -> int:
 def forward_path(q, k, v, mask, backend: str = "triton") -> str:
     """Which forward kernel ``block_sparse_attention`` runs for these inputs (contiguous, as the op passes them)
     under ``backend``: ``"portable"`` (kernels.py), ``"gluon_sm90_dflash"`` or ``"gluon_sm90_causal"`` (the
-    warp-specialized Hopper forwards, kernels_gluon_sm90*.py). Reads no device memory; the rule is
-    :func:`choose_forward`'s."""
+    warp-specialized Hopper forwards, kernels_gluon_sm90*.py): :func:`choose_forward`'s kernel where the inputs'
+    base addresses suit it (:func:`_aligned_for`), else the portable one. Reads no device memory."""
     major = _capability_major(q.device) if backend == "triton" and q.is_cuda else None
-    aligned = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0, q.data_ptr() % 16 == 0
-    return choose_forward(major, q.dtype, q.shape[-1], q.shape[2] // k.shape[2], aligned, mask)
+    path = choose_forward(major, q.dtype, q.shape[-1], q.shape[2] // k.shape[2], mask)
+    return path if _aligned_for(path, q, k, v) else PORTABLE
 
 
-def choose_forward(major, dtype, D: int, G: int, aligned: tuple, mask) -> str:
+def _aligned_for(path: str, q, k, v) -> bool:
+    """Whether the base addresses suit the kernel of ``path``: TMA boxes of k and v (and of q for the dense
+    forward) need 16-byte aligned bases. Called where the tensors are real (the custom op's body: under
+    torch.compile the wrapper sees fake tensors, which have no address)."""
+    if path == PORTABLE:
+        return True
+    ok = k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+    return ok and (path != GLUON_CAUSAL or q.data_ptr() % 16 == 0)
+
+
+def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     """The forward kernel for inputs on a CUDA device of compute capability ``major`` (None: not a CUDA input
-    under backend ``triton``), of ``dtype`` and head dim ``D``, GQA ratio ``G``, ``aligned`` = (k and v 16-byte
-    aligned, q 16-byte aligned), under ``mask``.
+    under backend ``triton``), of ``dtype`` and head dim ``D``, GQA ratio ``G``, under ``mask``, before the
+    base-address check of :func:`forward_path` (a misaligned k or v runs the portable forward).
 
-    The Hopper forwards need capability 9.x, bf16 / fp16, D 64 or 128 and aligned k and v (TMA boxes; q too for
-    the causal one). The DFlash one takes ``dflash_block_mask`` masks whose query groups fill a 64-row
-    warpgroup (``q_block`` x the query heads packed per kv head = 64: 16-token blocks at GQA 4 or 8; with fewer
-    rows the warpgroup MMA runs partly empty, untimed against the portable forward); the dense one
-    ``causal_block_mask`` masks. Everything else runs the portable forward, which takes every mask, dtype and
-    head dim. The Gluon DFlash forward's backward is its Gluon sibling (kernels_gluon_sm90_dflash_bwd.py); every
-    other forward's backward is the portable one, which reads the forward's o and lse."""
-    if major != 9 or dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128) or not aligned[0]:
+    The Hopper forwards need capability 9.x. The DFlash one takes ``dflash_block_mask`` masks whose query groups
+    fill a 64-row warpgroup (``q_block`` x the query heads packed per kv head = 64: 16-token blocks at GQA 4 or
+    8; with fewer rows the warpgroup MMA runs partly empty, untimed against the portable forward), bf16 / fp16,
+    D 64 or 128; the dense one ``causal_block_mask`` masks, bf16, D 128 (the configuration run on a GPU so far;
+    fp16 and D 64 compile but have not run). Everything else runs the portable forward, which takes every mask,
+    dtype and head dim. The backward after the Gluon DFlash forward is its Gluon sibling
+    (kernels_gluon_sm90_dflash_bwd.py) for bf16 at D 128 (likewise the configuration run so far), the portable
+    one otherwise; the portable backward reads any forward's o and lse."""
+    if major != 9 or dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128):
         return PORTABLE
     if mask.form == "dflash" and mask.tiles.shape[0] == 0 and mask.segments.shape[2] <= 2 and mask.q_block <= 64:
         if mask.q_block * gluon_dflash_rows(mask.q_block, G) == 64:
             return GLUON_DFLASH
-    if mask.form == "causal" and aligned[1]:
+    if mask.form == "causal" and dtype == torch.bfloat16 and D == 128:
         return GLUON_CAUSAL
     return PORTABLE
+
+
+def _gluon_backward(q, k, v, o, do) -> bool:
+    """Whether the backward after the Gluon DFlash forward is the Gluon one (:func:`choose_forward`)."""
+    return (q.dtype == torch.bfloat16 and q.shape[-1] == 128
+            and all(x.data_ptr() % 16 == 0 for x in (q, k, v, o, do)))
 
 
 def _row_tiling(q_block: int, G: int, D: int):
@@ -141,6 +158,8 @@ def _fwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch
               seg_count: torch.Tensor, tiles: torch.Tensor, rev_offsets: torch.Tensor, rev_full: torch.Tensor,
               rev_entries: torch.Tensor, q_block: int, kv_tile: int, tile_width: int, scale: float,
               path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if not _aligned_for(path, q, k, v):
+        path = PORTABLE
     if path == GLUON_DFLASH:
         return dflash_fwd(q, k, v, segments, seg_count, q_block, scale)
     if path == GLUON_CAUSAL:
@@ -165,7 +184,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rev_entries: torch.Tensor, q_block: int, kv_tile: int,
             tile_width: int, scale: float, path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()
-    if path == GLUON_DFLASH and do.data_ptr() % 16 == 0:  # after the Gluon DFlash forward: its backward sibling
+    if path == GLUON_DFLASH and _gluon_backward(q, k, v, o, do):  # after the Gluon DFlash forward: its sibling
         mask = BlockSparseMask(segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_len=q.shape[1],
                                kv_len=k.shape[1], q_block=q_block, kv_tile=kv_tile, tile_width=tile_width,
                                form="dflash")
@@ -207,8 +226,10 @@ def _run_kernels(q, k, v, mask, scale, backend):
     # The kernels index the mask's tensors densely; the builders make them so, a mask assembled from
     # views (strided, transposed, at an offset) is copied.
     fields = (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries)
+    major = _capability_major(q.device) if backend == "triton" and q.is_cuda else None
+    path = choose_forward(major, q.dtype, q.shape[-1], q.shape[2] // k.shape[2], mask)  # the op checks addresses
     return _fwd_differentiable(q, k, v, *(t.contiguous() for t in fields), mask.q_block, mask.kv_tile,
-                               mask.tile_width, scale, forward_path(q, k, v, mask, backend))
+                               mask.tile_width, scale, path)
 
 
 @_attention.impl("triton")
