@@ -507,7 +507,7 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
     gluon_fwd = forward_path(q, k, v, mask) != "portable"
     assert gluon_fwd == (not causal or (dtype == torch.bfloat16 and D == 128)), forward_path(q, k, v, mask)
     assert bool(kernel.cache_info()) == gluon_fwd, "the Gluon forward ran where it should not, or did not run"
-    gluon_bwd = not causal and dtype == torch.bfloat16 and D == 128
+    gluon_bwd = not causal and dtype == torch.bfloat16 and D == 128 and "batch1" not in form
     assert bool(attention_bwd_gluon_dkdv_kernel.cache_info()) == gluon_bwd, "the Gluon backward's choice"
     set_backend("attention", "portable")
     try:

@@ -65,8 +65,8 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     D 64 or 128; the dense one ``causal_block_mask`` masks, bf16, D 128 (the configuration run on a GPU so far;
     fp16 and D 64 compile but have not run). Everything else runs the portable forward, which takes every mask,
     dtype and head dim. The backward after the Gluon DFlash forward is its Gluon sibling
-    (kernels_gluon_sm90_dflash_bwd.py) for bf16 at D 128 (likewise the configuration run so far), the portable
-    one otherwise; the portable backward reads any forward's o and lse."""
+    (kernels_gluon_sm90_dflash_bwd.py) for bf16 at D 128 with a mask of the inputs' batch size (likewise what has
+    run so far), the portable one otherwise; the portable backward reads any forward's o and lse."""
     if major != 9 or dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128):
         return PORTABLE
     if mask.form == "dflash" and mask.tiles.shape[0] == 0 and mask.segments.shape[2] <= 2 and mask.q_block <= 64:
@@ -77,9 +77,10 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     return PORTABLE
 
 
-def _gluon_backward(q, k, v, o, do) -> bool:
-    """Whether the backward after the Gluon DFlash forward is the Gluon one (:func:`choose_forward`)."""
-    return (q.dtype == torch.bfloat16 and q.shape[-1] == 128
+def _gluon_backward(q, k, v, o, do, segments) -> bool:
+    """Whether the backward after the Gluon DFlash forward is the Gluon one (:func:`choose_forward`): bf16,
+    D 128, a mask of q's batch size (a batch-1 mask over a larger batch has not run on a GPU with it)."""
+    return (q.dtype == torch.bfloat16 and q.shape[-1] == 128 and segments.shape[0] == q.shape[0]
             and all(x.data_ptr() % 16 == 0 for x in (q, k, v, o, do)))
 
 
@@ -184,7 +185,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rev_entries: torch.Tensor, q_block: int, kv_tile: int,
             tile_width: int, scale: float, path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()
-    if path == GLUON_DFLASH and _gluon_backward(q, k, v, o, do):  # after the Gluon DFlash forward: its sibling
+    if path == GLUON_DFLASH and _gluon_backward(q, k, v, o, do, segments):  # after the Gluon DFlash forward: its sibling
         mask = BlockSparseMask(segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_len=q.shape[1],
                                kv_len=k.shape[1], q_block=q_block, kv_tile=kv_tile, tile_width=tile_width,
                                form="dflash")
