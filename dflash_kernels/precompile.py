@@ -46,6 +46,7 @@ OP_SHAPES = (
     [("attention", dict(_ATTN, B=b, window=w)) for b in (1, 4) for w in (None, 2048)]
     + [("attention", dict(_ATTN, B=4, S=4096))]
     + [("gdn", dict(_GDN, B=b, T=t, Hv=32)) for b, t in ((1, 3072), (1, 8192), (4, 8192), (1, 32768))]
+    + [("gdn", dict(_GDN, B=1, T=32768, Hv=32, docs="3000+11000+5000+13768"))]  # bench_gdn's packed batch
     + [("gdn", dict(_GDN, B=b, T=t, Hv=48)) for b, t in ((1, 4096), (4, 4096), (1, 16384))]
     + [("conv1d", dict(B=b, D=d, T=t, W=4)) for b, d, t in ((1, 10240, 4096), (4, 10240, 4096), (8, 10240, 16384))]
     + [("linear_cross_entropy", dict(N=8192, H=2560, V=248320)),

@@ -326,4 +326,20 @@ def test_the_cli_runs_op_specs_and_says_nothing_compiles_on_the_cpu(capsys):
 def test_preset_ops_shapes_are_precompilable_specs():
     for op, shape in cli.OP_SHAPES:
         assert op in pc._builders, op
-        assert all(isinstance(v, (int, type(None))) for v in shape.values()), shape
+        assert all(isinstance(v, (int, type(None))) for k, v in shape.items() if k != "docs"), shape
+    packed = [s for op, s in cli.OP_SHAPES if op == "gdn" and "docs" in s]
+    assert packed and all(sum(map(int, s["docs"].split("+"))) == s["T"] and s["B"] == 1 for s in packed)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") != "1", reason="runs the kernels: the interpreter")
+def test_gdn_precompile_spec_of_a_packed_batch_runs_the_varlen_op(monkeypatch):
+    """``docs`` makes the spec a packed batch: the op is called with cu_seqlens (its varlen kernels)."""
+    import dflash_kernels.ops.gated_delta_rule.gated_delta_rule as gdn
+
+    seen = []
+    real = gdn.chunk_gated_delta_rule
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", lambda *a, **k: seen.append(k["cu_seqlens"]) or real(*a, **k))
+    pc._builders["gdn"](dict(B=1, T=50, Hk=1, Hv=2, K=16, V=16, docs="20+30"), torch.float32, "cpu", True)
+    assert seen[0].tolist() == [0, 20, 50]
+    with pytest.raises(ValueError, match="docs"):
+        pc._builders["gdn"](dict(B=2, T=50, Hk=1, Hv=2, K=16, V=16, docs="20+30"), torch.float32, "cpu", False)

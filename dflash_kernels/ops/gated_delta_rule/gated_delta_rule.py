@@ -670,9 +670,18 @@ fused_recurrent_gated_delta_rule.__doc__ = fused_recurrent_gated_delta_rule.__do
 def _precompile_gdn(shape: dict, dtype, device, backward: bool):
     """shape: B, T, Hk, Hv, K, V; optional flags (the kernels compiled differ with them):
     ``l2norm`` (default True), ``initial_state`` and ``output_final_state`` (default False, as in training),
-    ``gate_in_kernel`` and ``beta_sigmoid`` (default False: fla's in-kernel gate and beta sigmoid)."""
+    ``gate_in_kernel`` and ``beta_sigmoid`` (default False: fla's in-kernel gate and beta sigmoid), ``docs``
+    (a packed batch: the documents' lengths, ``"3000+11000+..."`` or a sequence, summing to T with B = 1:
+    varlen kernels through ``cu_seqlens``)."""
     B, T, Hk, Hv, K, V = (shape[n] for n in ("B", "T", "Hk", "Hv", "K", "V"))
     make = dict(device=device, dtype=dtype)
+    docs = shape.get("docs")
+    cu_seqlens = None
+    if docs is not None:
+        lengths = [int(n) for n in (docs.split("+") if isinstance(docs, str) else docs)]
+        if B != 1 or sum(lengths) != T or min(lengths) < 1:
+            raise ValueError(f"shape: docs {docs!r} must be positive lengths summing to T={T} with B=1, got B={B}")
+        cu_seqlens = torch.tensor([0] + lengths, device=device).cumsum(0)
     q = torch.randn(B, T, Hk, K, **make)
     k = torch.randn(B, T, Hk, K, **make)
     v = torch.randn(B, T, Hv, V, **make)
@@ -696,7 +705,8 @@ def _precompile_gdn(shape: dict, dtype, device, backward: bool):
         for t in tensors:
             t.requires_grad_(True)
     o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=final,
-                                   use_qk_l2norm_in_kernel=shape.get("l2norm", True), **extra)
+                                   use_qk_l2norm_in_kernel=shape.get("l2norm", True), cu_seqlens=cu_seqlens,
+                                   **extra)
     if backward:
         loss = o.float().sum() + (ht.sum() if final else 0)
         torch.autograd.grad(loss, tensors)
