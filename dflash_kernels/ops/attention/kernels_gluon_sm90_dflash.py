@@ -98,6 +98,29 @@ def _union(lo_a, hi_a, lo_b, hi_b, BN: gl.constexpr):
 
 
 @gluon.jit
+def _pair_program(segments, seg_count, NG, MS, MB, Hkv, G: gl.constexpr, GH: gl.constexpr, BN: gl.constexpr):
+    """This program's place in the two-group grid (``_dflash_fwd_ws_kernel``'s docstring; the backward's dq
+    kernel runs the same grid): batch ``b``, kv head ``hk``, first query head ``h0``, first group ``g0``; the
+    key walk over the union of the two groups' segments (``n_tiles`` BN-key tiles: ``n0`` from ``start0``, then
+    from ``start1``) and each group's two segments ``[lo, hi)``."""
+    pid = gl.program_id(0)
+    n_pairs = (NG + 1) // 2
+    pair = n_pairs - 1 - pid % n_pairs
+    pid_bh = pid // n_pairs
+    NC: gl.constexpr = G // GH
+    b = pid_bh // (Hkv * NC)
+    hk = (pid_bh // NC) % Hkv
+    h0 = hk * G + (pid_bh % NC) * GH
+    g0 = 2 * pair
+    bm = b % MB
+    lo00, hi00, lo01, hi01 = _group_segments(segments, seg_count, bm, g0, NG, MS)
+    lo10, hi10, lo11, hi11 = _group_segments(segments, seg_count, bm, g0 + 1, NG, MS)
+    start0, n0 = _union(lo00, hi00, lo10, hi10, BN)
+    start1, n1 = _union(lo01, hi01, lo11, hi11, BN)
+    return b, hk, h0, g0, n0 + n1, start0, n0, start1, lo00, hi00, lo01, hi01, lo10, hi10, lo11, hi11
+
+
+@gluon.jit
 def _dflash_consumer(q_ptr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn,
                      b, g, h0, Tq, NG, Hq, n_tiles, start0, n0, start1, lo0, hi0, lo1, hi1, qk_scale,
                      WG: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr, BN: gl.constexpr,
@@ -158,21 +181,8 @@ def _dflash_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, segments, seg_c
     gl.static_assert(BQ * GH <= ROWS, "a consumer warpgroup's rows are one query group x GH heads")
     gl.static_assert(G % GH == 0, "GH divides the GQA group")
 
-    pid = gl.program_id(0)
-    n_pairs = (NG + 1) // 2
-    pair = n_pairs - 1 - pid % n_pairs
-    pid_bh = pid // n_pairs
-    NC: gl.constexpr = G // GH
-    b = pid_bh // (Hkv * NC)
-    hk = (pid_bh // NC) % Hkv
-    h0 = hk * G + (pid_bh % NC) * GH
-    g0 = 2 * pair
-    bm = b % MB
-    lo00, hi00, lo01, hi01 = _group_segments(segments, seg_count, bm, g0, NG, MS)
-    lo10, hi10, lo11, hi11 = _group_segments(segments, seg_count, bm, g0 + 1, NG, MS)
-    start0, n0 = _union(lo00, hi00, lo10, hi10, BN)
-    start1, n1 = _union(lo01, hi01, lo11, hi11, BN)
-    n_tiles = n0 + n1
+    b, hk, h0, g0, n_tiles, start0, n0, start1, lo00, hi00, lo01, hi01, lo10, hi10, lo11, hi11 = _pair_program(
+        segments, seg_count, NG, MS, MB, Hkv, G, GH, BN)
 
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, ROWS, D], k_desc.layout)  # K's swizzle: same D
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -239,8 +249,7 @@ def attention_fwd_gluon_sm90_dflash(q: torch.Tensor, k: torch.Tensor, v: torch.T
         check_gluon_dflash_mask(mask)
     assert q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9, "needs an sm_90 GPU"
     assert q.dtype in (torch.bfloat16, torch.float16), "bf16 or fp16"
-    B, Tq, Hq, D = q.shape
-    Tk, Hkv = k.shape[1], k.shape[2]
+    D = q.shape[3]
     assert D in (64, 128), "head dim 64 or 128"
     for name, x in (("q", q), ("k", k), ("v", v)):
         assert x.is_contiguous(), f"{name} must be contiguous"

@@ -94,8 +94,8 @@ from dflash_kernels.ops.attention import checks
 from dflash_kernels.ops.attention.kernels_gluon_sm90 import (CONSUMER_REGS, GLUON_CONFIGS, LOG2E, PRODUCER_REGS,
                                                              _init_ring, _load_kv, _tile_keys, _visible_values,
                                                              descriptor, score_layout, smem_layout)
-from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import (_group_segments, _union,
-                                                                    check_gluon_dflash_mask, gluon_dflash_rows)
+from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import (_pair_program, check_gluon_dflash_mask,
+                                                                    gluon_dflash_rows)
 from dflash_kernels.runtime import TritonKernel, alloc, bucket, cdiv
 
 __all__ = ["attention_bwd_gluon_sm90_dflash", "dkdv_config", "dq_config"]
@@ -421,21 +421,8 @@ def _dq_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, k_desc, v_desc, segmen
     gl.static_assert(BQ * GH <= ROWS, "a consumer warpgroup's rows are one query group x GH heads")
     gl.static_assert(G % GH == 0, "GH divides the GQA group")
 
-    pid = gl.program_id(0)
-    n_pairs = (NG + 1) // 2
-    pair = n_pairs - 1 - pid % n_pairs
-    pid_bh = pid // n_pairs
-    NC: gl.constexpr = G // GH
-    b = pid_bh // (Hkv * NC)
-    hk = (pid_bh // NC) % Hkv
-    h0 = hk * G + (pid_bh % NC) * GH
-    g0 = 2 * pair
-    bm = b % MB
-    lo00, hi00, lo01, hi01 = _group_segments(segments, seg_count, bm, g0, NG, MS)
-    lo10, hi10, lo11, hi11 = _group_segments(segments, seg_count, bm, g0 + 1, NG, MS)
-    start0, n0 = _union(lo00, hi00, lo10, hi10, BN)
-    start1, n1 = _union(lo01, hi01, lo11, hi11, BN)
-    n_tiles = n0 + n1
+    b, hk, h0, g0, n_tiles, start0, n0, start1, lo00, hi00, lo01, hi01, lo10, hi10, lo11, hi11 = _pair_program(
+        segments, seg_count, NG, MS, MB, Hkv, G, GH, BN)
 
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], k_desc.dtype)
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], row_layout)
