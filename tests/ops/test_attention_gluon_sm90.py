@@ -69,6 +69,26 @@ SHAPES = {"odd_gqa1": (2, 200, 333, 2, 2), "odd_gqa4": (1, 251, 190, 8, 2), "q_l
           "short_gqa1": (1, 5, 3, 3, 3), "long_gqa4": (1, 1000, 1100, 4, 1)}
 
 
+def _check_outputs(o, lse, q, dtype, ro, rlse):
+    """o and lse against the fp32 reference's ``ro``, ``rlse``: dtypes and shapes, every element written (the
+    outputs are NaN-poisoned first), the same rows seeing nothing (lse -inf, o exactly 0), lse to 1e-5, o by the
+    whole-tensor and the worst-row relative error."""
+    torch.cuda.synchronize()
+    B, Lq, H, _ = q.shape
+    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32 and lse.shape == (B, H, Lq)
+    assert not o.isnan().any() and not lse.isnan().any(), "an output element was not written (NaN)"
+    assert torch.equal(lse.isinf(), rlse.isinf()), "the rows that see nothing differ from the reference's"
+    finite = rlse.isfinite()
+    err = rel_err(lse[finite], rlse[finite])
+    assert err < 1e-5, f"lse: relative error {err:.2e} > 1e-5"
+    zero = (ro == 0).flatten(-1).all(-1)  # rows that see no key: exactly 0
+    assert (o[zero] == 0).all(), "a row that sees no key is not 0"
+    err = rel_err(o, ro)
+    assert err < TOL[dtype], f"o: relative error {err:.2e} > {TOL[dtype]:.0e}"
+    row = worst_row_err(o[~zero], ro[~zero])
+    assert row < ROW_TOL[dtype], f"o: worst row relative error {row:.2e} > {ROW_TOL[dtype]:.0e}"
+
+
 @needs_sm90
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("D", [64, 128], ids=lambda d: f"D{d}")
@@ -82,18 +102,7 @@ def test_matches_reference(shape, D, causal, dtype, monkeypatch):
     q, k, v = _inputs(B, Lq, Lk, H, Hkv, D, dtype)
     scale = 1.0 / math.sqrt(D)
     o, lse = attention_fwd_gluon_sm90(q, k, v, causal, scale)
-    torch.cuda.synchronize()
-    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32 and lse.shape == (B, H, Lq)
-    assert not o.isnan().any() and not lse.isnan().any(), "an output element was not written (NaN)"
-    ro, rlse = reference(q, k, v, causal, scale)
-    assert torch.equal(lse.isinf(), rlse.isinf())
-    finite = rlse.isfinite()
-    err = rel_err(lse[finite], rlse[finite])
-    assert err < 1e-5, f"lse: relative error {err:.2e} > 1e-5"
-    err = rel_err(o, ro)
-    assert err < TOL[dtype], f"o: relative error {err:.2e} > {TOL[dtype]:.0e}"
-    row = worst_row_err(o, ro)
-    assert row < ROW_TOL[dtype], f"o: worst row relative error {row:.2e} > {ROW_TOL[dtype]:.0e}"
+    _check_outputs(o, lse, q, dtype, *reference(q, k, v, causal, scale))
 
 
 @needs_sm90
@@ -172,20 +181,7 @@ def test_dflash_matches_reference(case, D, dtype, monkeypatch):
     B, Tq, Hq, _ = q.shape
     scale = 1.0 / math.sqrt(D)
     o, lse = attention_fwd_gluon_sm90_dflash(q, k, v, mask, scale)
-    torch.cuda.synchronize()
-    assert o.dtype == dtype and o.shape == q.shape and lse.dtype == torch.float32 and lse.shape == (B, Hq, Tq)
-    assert not o.isnan().any() and not lse.isnan().any(), "an output element was not written (NaN)"
-    ro, rlse = _dense_reference(q, k, v, dense, scale)
-    assert torch.equal(lse.isinf(), rlse.isinf()), "the rows that see nothing differ from the reference's"
-    finite = rlse.isfinite()
-    err = rel_err(lse[finite], rlse[finite])
-    assert err < 1e-5, f"lse: relative error {err:.2e} > 1e-5"
-    zero = (ro == 0).flatten(-1).all(-1)  # rows that see no key: exactly 0
-    assert (o[zero] == 0).all(), "a row that sees no key is not 0"
-    err = rel_err(o, ro)
-    assert err < TOL[dtype], f"o: relative error {err:.2e} > {TOL[dtype]:.0e}"
-    row = worst_row_err(o[~zero], ro[~zero])
-    assert row < ROW_TOL[dtype], f"o: worst row relative error {row:.2e} > {ROW_TOL[dtype]:.0e}"
+    _check_outputs(o, lse, q, dtype, *_dense_reference(q, k, v, dense, scale))
     # The portable forward on the same inputs: the same rows seen, outputs as close as two roundings allow.
     with torch.no_grad():
         po, plse = block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)

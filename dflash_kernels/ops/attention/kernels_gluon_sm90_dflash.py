@@ -98,11 +98,18 @@ def _union(lo_a, hi_a, lo_b, hi_b, BN: gl.constexpr):
 
 
 @gluon.jit
-def _pair_program(segments, seg_count, NG, MS, MB, Hkv, G: gl.constexpr, GH: gl.constexpr, BN: gl.constexpr):
+def _pair_program(segments, seg_count, NG, MS, MB, Hkv, k_desc, G: gl.constexpr, GH: gl.constexpr,
+                  BQ: gl.constexpr, BN: gl.constexpr):
     """This program's place in the two-group grid (``_dflash_fwd_ws_kernel``'s docstring; the backward's dq
     kernel runs the same grid): batch ``b``, kv head ``hk``, first query head ``h0``, first group ``g0``; the
     key walk over the union of the two groups' segments (``n_tiles`` BN-key tiles: ``n0`` from ``start0``, then
-    from ``start1``) and each group's two segments ``[lo, hi)``."""
+    from ``start1``) and each group's two segments ``[lo, hi)``. Checks the build's shapes (``k_desc``'s
+    ``[1, BN, D]`` boxes, 64-row consumers of ``BQ`` positions x ``GH`` heads)."""
+    D: gl.constexpr = k_desc.block_type.shape[2]
+    gl.static_assert((D == 64) or (D == 128), "head dim 64 or 128")
+    gl.static_assert(k_desc.block_type.shape[1] == BN, "K boxes are BN keys")
+    gl.static_assert(BQ * GH <= 64, "a consumer warpgroup's rows are one query group x GH heads")
+    gl.static_assert(G % GH == 0, "GH divides the GQA group")
     pid = gl.program_id(0)
     n_pairs = (NG + 1) // 2
     pair = n_pairs - 1 - pid % n_pairs
@@ -176,13 +183,8 @@ def _dflash_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, segments, seg_c
     forward)."""
     D: gl.constexpr = k_desc.block_type.shape[2]
     ROWS: gl.constexpr = 64
-    gl.static_assert((D == 64) or (D == 128), "head dim 64 or 128")
-    gl.static_assert(k_desc.block_type.shape[1] == BN, "K boxes are BN keys")
-    gl.static_assert(BQ * GH <= ROWS, "a consumer warpgroup's rows are one query group x GH heads")
-    gl.static_assert(G % GH == 0, "GH divides the GQA group")
-
     b, hk, h0, g0, n_tiles, start0, n0, start1, lo00, hi00, lo01, hi01, lo10, hi10, lo11, hi11 = _pair_program(
-        segments, seg_count, NG, MS, MB, Hkv, G, GH, BN)
+        segments, seg_count, NG, MS, MB, Hkv, k_desc, G, GH, BQ, BN)
 
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, 1, ROWS, D], k_desc.layout)  # K's swizzle: same D
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)

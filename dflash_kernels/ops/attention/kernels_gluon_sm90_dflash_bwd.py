@@ -416,13 +416,8 @@ def _dq_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, k_desc, v_desc, segmen
     (kernels_gluon_sm90_dflash.py's ``_dflash_fwd_ws_kernel``)."""
     D: gl.constexpr = k_desc.block_type.shape[2]
     ROWS: gl.constexpr = 64
-    gl.static_assert((D == 64) or (D == 128), "head dim 64 or 128")
-    gl.static_assert(k_desc.block_type.shape[1] == BN, "K boxes are BN keys")
-    gl.static_assert(BQ * GH <= ROWS, "a consumer warpgroup's rows are one query group x GH heads")
-    gl.static_assert(G % GH == 0, "GH divides the GQA group")
-
     b, hk, h0, g0, n_tiles, start0, n0, start1, lo00, hi00, lo01, hi01, lo10, hi10, lo11, hi11 = _pair_program(
-        segments, seg_count, NG, MS, MB, Hkv, G, GH, BN)
+        segments, seg_count, NG, MS, MB, Hkv, k_desc, G, GH, BQ, BN)
 
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, D], k_desc.dtype)
     q_smem = gl.allocate_shared_memory(k_desc.dtype, [2, ROWS, D], row_layout)
