@@ -520,6 +520,22 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
 
 
 @needs_kernels
+def test_gluon_backward_takes_every_forward_case_with_aligned_tensors():
+    """After the Gluon DFlash forward the Gluon backward runs for every dtype and head dim that forward takes
+    (bf16 / fp16, D 64 / 128); only a tensor at a base address off the 16-byte grid TMA needs (here the upstream
+    gradient, a view one element into its storage) sends the backward to the portable kernels."""
+    import dflash_kernels.ops.attention.attention as att
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for D in (64, 128):
+            q, k, v, do = (torch.zeros(2, 32, 4, D, dtype=dtype) for _ in range(4))
+            o = torch.zeros_like(q)
+            assert att._gluon_backward(q, k, v, o, do)
+            shifted = torch.zeros(do.numel() + 1, dtype=dtype)[1:].view_as(do)
+            assert shifted.data_ptr() % 16 != 0
+            assert not att._gluon_backward(q, k, v, o, shifted)
+
+
 def test_backward_after_the_gluon_forward_hands_the_mask_to_its_backward(monkeypatch):
     """The custom op's backward under path ``gluon_sm90_dflash`` gives the Gluon backward the mask it was
     called with (rebuilt from the saved tensors: fields, sizes, form) and returns its gradients; with the

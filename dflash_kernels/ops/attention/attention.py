@@ -77,11 +77,11 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     return PORTABLE
 
 
-def _gluon_backward(q, k, v, o, do, segments) -> bool:
-    """Whether the backward after the Gluon DFlash forward is the Gluon one (:func:`choose_forward`): bf16,
-    D 128, a mask of q's batch size (a batch-1 mask over a larger batch has not run on a GPU with it)."""
-    return (q.dtype == torch.bfloat16 and q.shape[-1] == 128 and segments.shape[0] == q.shape[0]
-            and all(x.data_ptr() % 16 == 0 for x in (q, k, v, o, do)))
+def _gluon_backward(q, k, v, o, do) -> bool:
+    """Whether the backward after the Gluon DFlash forward is the Gluon one: every dtype, head dim and mask
+    batch that forward takes (:func:`choose_forward`), with every tensor at a 16-byte aligned base address
+    (TMA); an unaligned upstream gradient takes the portable backward."""
+    return all(x.data_ptr() % 16 == 0 for x in (q, k, v, o, do))
 
 
 def _row_tiling(q_block: int, G: int, D: int):
@@ -185,7 +185,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             rev_entries: torch.Tensor, q_block: int, kv_tile: int,
             tile_width: int, scale: float, path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     do = do.contiguous()
-    if path == GLUON_DFLASH and _gluon_backward(q, k, v, o, do, segments):  # after the Gluon DFlash forward: its sibling
+    if path == GLUON_DFLASH and _gluon_backward(q, k, v, o, do):  # after the Gluon DFlash forward: its sibling
         mask = BlockSparseMask(segments, seg_count, tiles, rev_offsets, rev_full, rev_entries, q_len=q.shape[1],
                                kv_len=k.shape[1], q_block=q_block, kv_tile=kv_tile, tile_width=tile_width,
                                form="dflash")
