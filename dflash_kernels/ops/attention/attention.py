@@ -65,8 +65,8 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     D 64 or 128; the dense one ``causal_block_mask`` masks, bf16, D 128 (the configuration run on a GPU so far;
     fp16 and D 64 compile but have not run). Everything else runs the portable forward, which takes every mask,
     dtype and head dim. The backward after the Gluon DFlash forward is its Gluon sibling
-    (kernels_gluon_sm90_dflash_bwd.py) for bf16 at D 128 with a mask of the inputs' batch size (likewise what has
-    run so far), the portable one otherwise; the portable backward reads any forward's o and lse."""
+    (kernels_gluon_sm90_dflash_bwd.py, :func:`_gluon_backward`); the portable backward, which reads any
+    forward's o and lse, follows the others."""
     if major != 9 or dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128):
         return PORTABLE
     if mask.form == "dflash" and mask.tiles.shape[0] == 0 and mask.segments.shape[2] <= 2 and mask.q_block <= 64:
