@@ -21,8 +21,8 @@ One program (CTA) owns ``BM = 128`` query rows of one (batch, head), split betwe
   before the V tile of the same step.
 - consumer 0 (the default partition, 4 warps) and consumer 1 (a worker partition, 4 warps), the same code
   on different rows: ``S = Q K^T`` with an asynchronous warpgroup MMA from shared memory, the online
-  softmax in registers (base 2: scores scaled by ``sm_scale * log2(e)`` once so that ``exp2``, one
-  instruction, replaces ``exp``), then ``O += P V`` with P from registers.
+  softmax in registers (base 2: the row max over the raw scores, each exponent ``s * sm_scale * log2(e) -
+  max`` one fused multiply-add, then ``exp2``, one instruction), then ``O += P V`` with P from registers.
 - ping-pong: a consumer issues its matmuls only while it holds a turn (two mbarriers handing the turn back
   and forth), so the tensor cores run one warpgroup's matmuls while the other computes its softmax.
   Inside a consumer the matmuls of consecutive tiles overlap too: step ``j`` issues ``S_j = Q K_j^T`` and
@@ -102,11 +102,10 @@ def _tile_keys(j, start0, n0, start1, lo0, hi0, lo1, hi1, BN: gl.constexpr):
 
 
 @gluon.jit
-def _masked_scores(s, n, lo, hi, row0, rows, qk_scale, BN: gl.constexpr, CAUSAL: gl.constexpr,
+def _masked_scores(s, n, lo, hi, row0, rows, BN: gl.constexpr, CAUSAL: gl.constexpr,
                    s_layout: gl.constexpr):
-    """Scores of the key tile ``[n, n + BN)`` scaled to base 2, -inf at keys outside ``[lo, hi)`` and (causal)
-    right of the row's diagonal. The element mask is computed only for tiles that hold such keys."""
-    s = s * qk_scale
+    """Scores of the key tile ``[n, n + BN)``, unscaled, -inf at keys outside ``[lo, hi)`` and (causal) right of
+    the row's diagonal. The element mask is computed only for tiles that hold such keys."""
     ragged = (n < lo) | (n + BN > hi)
     if CAUSAL:
         ragged = ragged | (n + BN - 1 > row0)  # some key right of the first row's diagonal
@@ -120,13 +119,15 @@ def _masked_scores(s, n, lo, hi, row0, rows, qk_scale, BN: gl.constexpr, CAUSAL:
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i):
-    """One online-softmax step on base-2 scores ``s``: the new row max, P, the rescale factor of the old
-    accumulator and the new row sums. A row that has seen no key yet keeps max -inf; its exponents are taken
-    against 0 so that P and alpha are 0, not NaN."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """One online-softmax step on unscaled scores ``s``: the new base-2 row max (of ``s * qk_scale``), P, the
+    rescale factor of the old accumulator and the new row sums. The max is taken over the unscaled scores
+    (``qk_scale > 0`` keeps their order), so each exponent ``s * qk_scale - max`` is one fused multiply-add.
+    A row that has seen no key yet keeps max -inf; its exponents are taken against 0 so that P and alpha are
+    0, not NaN."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_use, 1))
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return m_new, p, alpha, l_i
@@ -209,8 +210,8 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles
         s = warpgroup_mma_wait(0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0))
         n, lo, hi = _tile_keys(0, start0, n0, start1, lo0, hi0, lo1, hi1, BN)
-        s = _masked_scores(s, n, lo, hi, row0, rows, qk_scale, BN, CAUSAL, s_layout)
-        m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i)
+        s = _masked_scores(s, n, lo, hi, row0, rows, BN, CAUSAL, s_layout)
+        m_i, p, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         p = gl.convert_layout(p.to(dtype), p_layout)
 
         for j in range(1, n_tiles):
@@ -234,8 +235,8 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles
             s = warpgroup_mma_wait(1, deps=(s, ))
             mbarrier.arrive(k_empty.index(stage))
             n, lo, hi = _tile_keys(j, start0, n0, start1, lo0, hi0, lo1, hi1, BN)
-            s = _masked_scores(s, n, lo, hi, row0, rows, qk_scale, BN, CAUSAL, s_layout)
-            m_i, p_new, alpha, l_i = _softmax_step(s, m_i, l_i)
+            s = _masked_scores(s, n, lo, hi, row0, rows, BN, CAUSAL, s_layout)
+            m_i, p_new, alpha, l_i = _softmax_step(s, m_i, l_i, qk_scale)
             # P of the previous tile stays alive (registers the MMA reads) until its MMA completes.
             o, p = warpgroup_mma_wait(0, deps=(o, p))
             mbarrier.arrive(v_empty.index(prev))
