@@ -129,10 +129,34 @@ def row_descriptor(x: torch.Tensor, q_block: int, GH: int) -> TensorDescriptor:
 
 
 @gluon.jit
+def _zero_nonfinite(tile):
+    """Set every non-finite element of the 16-bit float shared tile ``tile`` (a Q or dO box of the ring) to 0,
+    in place, by one warp; 1 if it held one, else 0. Element by element, so the tile is read through a flat
+    view of its bytes (its swizzle does not matter): 16 bytes a lane, a runtime loop, few registers."""
+    if tile.dtype == gl.bfloat16:
+        EXP: gl.constexpr = 0x7F80  # exponent bits: all set for NaN and +-inf
+    else:
+        EXP: gl.constexpr = 0x7C00
+    N: gl.constexpr = tile.numel // (32 * 8)
+    flat = tile._reinterpret(gl.int16, [N, 32, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    hit = gl.zeros([32], gl.int32, gl.SliceLayout(1, layout))  # one register a lane
+    for c in range(N):
+        piece = flat.index(c)
+        x = piece.load(layout)
+        bad = (x & EXP) == EXP
+        piece.store(gl.where(bad, gl.zeros_like(x), x))
+        hit = gl.maximum(hit, gl.max(bad.to(gl.int32), axis=1))  # within the lane
+    return gl.max(hit, axis=0)
+
+
+@gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem, k_smem,
-                   v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq, sm_scale,
-                   G: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """K and V of the program's key tile, then Q, dO and the row terms of every item into the ring."""
+                   v_smem, row_smem, flag_smem, kv_bar, landed, ready, empty, b, hk, n0, e_start, n_items, n_full,
+                   Tq, Hq, sm_scale, G: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """K and V of the program's key tile, then Q, dO, the row terms and the flag of every item into the ring;
+    the Q and dO of a masked item whose rows' lse or delta is not finite with their non-finite elements
+    zeroed (module docstring)."""
     BQ: gl.constexpr = q_desc.block_type.shape[1]
     GH: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -145,7 +169,9 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entr
         tma.async_copy_global_to_shared(v_desc, [b, n0 + w * KH_, hk * D], kv_bar, v_smem.index(w))
 
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     r = gl.arange(0, ROWS, row_layout)
+    n_landed = 0  # items loaded through `landed` so far: its phase
     for i in range(n_items):
         stage = i % NUM_STAGES
         e = e_start + i // NC
@@ -159,15 +185,37 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entr
         # -delta. lse = -inf (a row that sees nothing) and rows past Tq give -inf: P = 0 exactly there.
         lse = gl.load(lse_ptr + row, mask=ok, other=float("-inf"))
         nlse = gl.where(lse == float("-inf"), float("-inf"), -lse / sm_scale)
-        ndlt = -gl.load(delta_ptr + row, mask=ok, other=0.0)
+        dlt = gl.load(delta_ptr + row, mask=ok, other=0.0)
+        # A non-finite q or do element makes its row's lse (forward) or delta not finite; lse -inf counts too
+        # (every row of an item sees a key). Only masked entries' items need their Q and dO looked at.
+        fine = (gl.abs(lse) < float("inf")) & (gl.abs(dlt) < float("inf"))  # NaN compares False
+        suspect = (i >= n_full) & (gl.max(gl.where(ok, 1 - fine.to(gl.int32), 0), axis=0) != 0)
         mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
         row_smem.index(2 * stage).store(nlse)
-        row_smem.index(2 * stage + 1).store(ndlt)
-        gl.thread_barrier()  # every lane's row stores before the (one-lane) arrival below
-        bar = ready.index(stage)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, g * BQ, h0, 0], bar, q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [b, g * BQ, h0, 0], bar, do_smem.index(stage))
+        row_smem.index(2 * stage + 1).store(-dlt)
+        q_stage = q_smem.index(stage)
+        do_stage = do_smem.index(stage)
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+        if suspect:
+            # Rare: load, zero the non-finite elements in place (before either consumer reads the stage), flag
+            # the item if there were any, then announce the stage with a plain arrival.
+            mbarrier.expect(landed, nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, g * BQ, h0, 0], landed, q_stage)
+            tma.async_copy_global_to_shared(do_desc, [b, g * BQ, h0, 0], landed, do_stage)
+            mbarrier.wait(landed, n_landed & 1)
+            n_landed += 1
+            hit = gl.maximum(_zero_nonfinite(q_stage), _zero_nonfinite(do_stage))
+            flag_smem.index(stage).store(gl.full([1], hit, gl.int32, flag_layout))
+            fence_async_shared()  # the zeroing stores before the consumers' MMAs (async proxy) read the stage
+            gl.thread_barrier()  # every lane's stores before the (one-lane) arrival below
+            mbarrier.arrive(ready.index(stage))
+        else:
+            flag_smem.index(stage).store(gl.full([1], 0, gl.int32, flag_layout))
+            gl.thread_barrier()  # every lane's row stores before the (one-lane) arrival below
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, g * BQ, h0, 0], bar, q_stage)
+            tma.async_copy_global_to_shared(do_desc, [b, g * BQ, h0, 0], bar, do_stage)
 
 
 @gluon.jit
@@ -231,9 +279,9 @@ def _dkdv_store(acc, buf, ptr, b, hk, first, Tk, Hkv, D: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar,
-                   ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv, qk_scale, sm_scale,
-                   WG: gl.constexpr, G: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem, flag_smem,
+                   kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv, qk_scale,
+                   sm_scale, WG: gl.constexpr, G: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program."""
     BQ: gl.constexpr = q_smem.shape[2]
     GH: gl.constexpr = q_smem.shape[3]
@@ -248,6 +296,7 @@ def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_sme
     dv = gl.zeros([KROWS, D], gl.float32, o_layout)
     kt = k_smem.index(WG).reshape([KROWS, D])
     vt = v_smem.index(WG).reshape([KROWS, D])
+    flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mbarrier.wait(kv_bar, 0)
     for i in range(n_items):
         stage = i % NUM_STAGES
@@ -264,6 +313,14 @@ def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_sme
         mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
         q = q_smem.index(stage).reshape([ROWS, D])
         do = do_smem.index(stage).reshape([ROWS, D])
+        if masked & some:
+            if gl.max(flag_smem.index(stage).load(flag_layout), axis=0) != 0:
+                # The producer zeroed non-finite q / do elements of the item: NaN on the keys it sees, set
+                # before the item's products (NaN absorbs what they add), where nothing else is live.
+                keys = first + gl.arange(0, KROWS, gl.SliceLayout(1, o_layout))
+                seen = gl.expand_dims((keys >= lo) & (keys < hi), 1)
+                dk = gl.where(seen, float("nan"), dk)
+                dv = gl.where(seen, float("nan"), dv)
         if whole:
             dk, dv = _dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, first, lo, hi, False, s_layout,
                                 o_layout)
@@ -313,10 +370,13 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     row_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, ROWS],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # per-row-vector layout
+    flag_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(landed, count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
@@ -325,14 +385,14 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta
 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem,
-                          kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
+                          flag_smem, kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
                           qk_scale, sm_scale, 0, G, NUM_STAGES)),
         (_dkdv_consumer, (dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem,
-                          kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
+                          flag_smem, kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
                           qk_scale, sm_scale, 1, G, NUM_STAGES)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem,
-                          k_smem, v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq,
-                          sm_scale, G, NUM_STAGES)),
+                          k_smem, v_smem, row_smem, flag_smem, kv_bar, landed, ready, empty, b, hk, n0, e_start,
+                          n_items, n_full, Tq, Hq, sm_scale, G, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
