@@ -28,7 +28,7 @@ computes its exponentials the other's MMAs run.
 Partitions (``gl.warp_specialize``): the two consumer warpgroups (setmaxnreg ``CONSUMER_REGS``) and one
 producer warp (``PRODUCER_REGS``) that TMA-loads K and V once (four 64-key boxes) and then every item's Q and
 dO into a ring of ``NUM_STAGES`` stages, with each item's ``ROWS`` lse2 and delta values (plain loads,
-stored into a per-stage shared buffer before the stage is announced).
+stored into a per-stage shared buffer before the stage is announced) and its non-finite flag (below).
 
 Barrier protocol of the dk / dv kernel (every wait has exactly the arrivals it counts; a mistake hangs):
 
@@ -36,28 +36,50 @@ Barrier protocol of the dk / dv kernel (every wait has exactly the arrivals it c
   TMAs; both consumers wait for parity 0 once, before any item (also when the tile has no items, so that no
   TMA is in flight when the program ends).
 - ``ready[s]`` (count 1): item ``i`` uses stage ``s = i % NUM_STAGES``, pass ``p = i // NUM_STAGES``. The
-  producer stores the item's lse2 / delta into the stage's row buffer (all lanes), ``thread_barrier``, then
-  ``expect`` (its one arrival, a release that orders the row stores before it) with the Q and dO boxes' bytes,
-  then the two TMAs: the phase completes when both have landed. Each consumer waits for parity ``p & 1``
-  before reading the stage (acquire: the row buffer and the boxes).
+  producer stores the item's lse2 / delta into the stage's row buffer and its flag (0) into the stage's flag
+  word (all lanes), ``thread_barrier``, then ``expect`` (its one arrival, a release that orders those stores
+  before it) with the Q and dO boxes' bytes, then the two TMAs: the phase completes when both have landed.
+  A *suspect* item (below) instead: row stores, ``expect`` on ``landed`` and the two TMAs onto it, wait for
+  ``landed``, zero the boxes' non-finite elements in place, store the flag, ``fence_async_shared`` (the
+  generic-proxy stores before the consumers' MMAs read the boxes through the async proxy),
+  ``thread_barrier``, then a plain ``arrive`` on ``ready[s]`` (its one arrival, the release). Each consumer
+  waits for parity ``p & 1`` before reading the stage (acquire: the row buffer, the flag and the boxes).
+- ``landed`` (count 1, producer only): one phase per suspect item, waited for with parity ``n & 1`` (``n``
+  the suspect items before it); the producer waits before it announces the stage, so no TMA is in flight
+  when the program ends.
 - ``empty[s]`` (count 2): each consumer arrives once per item, after every MMA of it that read the stage has
-  completed (``warpgroup_mma_wait(0)``) and after reading the row buffer. The producer waits for parity
-  ``(p & 1) ^ 1`` before refilling the stage for item ``i`` (a fresh barrier has completed the phase before
-  phase 0, so the first pass runs through). A consumer waits for ``ready`` even for an item it skips: its
-  arrival for item ``i + NUM_STAGES`` then cannot come before the stage was refilled, which needs both
-  arrivals of item ``i``, so arrivals never fall into the wrong phase.
+  completed (``warpgroup_mma_wait(0)``) and after reading the row buffer and the flag. The producer waits for
+  parity ``(p & 1) ^ 1`` before refilling the stage (boxes, row buffer, flag) for item ``i`` (a fresh barrier
+  has completed the phase before phase 0, so the first pass runs through). A consumer waits for ``ready`` even
+  for an item it skips: its arrival for item ``i + NUM_STAGES`` then cannot come before the stage was
+  refilled, which needs both arrivals of item ``i``, so arrivals never fall into the wrong phase.
 
-Non-finite keys and values reach only the gradients of the keys and queries whose rows see them (the
-forward's guarantee, tests/ops/test_attention_gluon_sm90_bwd.py). Within an item every row sees the same keys
-(the entry's segment cut to the tile), so masking is by whole key rows of S^T, P^T, dS^T: on items that see
-part of the consumer's keys, P^T and dS^T are *selected* to 0 on the others, so a non-finite K or V of an
-unseen key (a NaN / Inf row of S^T or dP^T) adds exactly 0 to dK / dV, and the rows that see a non-finite key
-(their o, lse, delta non-finite) still add exactly 0 to the keys they do not see, since their q and do are
-finite. Limitation: a non-finite element *in q or do itself* (an upstream NaN) meets the ``P^T = 0`` of the
-unseen keys of its item inside the MMA (``0 * NaN``), so it reaches the dK / dV of those unseen keys of the
-same 64-key block too (the portable kernel zeroes such operands and poisons the seen keys explicitly; a fresh
-accumulator per masked item, added with a select, did the same here but spilled hundreds of registers at
-D = 128). Fully seen items need nothing: every key of the product is seen.
+Non-finite values stay with the rows and keys that meet them (the portable kernels' contract: kernels.py,
+tests/ops/test_nonfinite.py, tests/ops/test_attention_gluon_sm90_bwd.py). Within an item every row sees the
+same keys (the entry's segment cut to the tile), so masking is by whole key rows of S^T, P^T, dS^T: on items
+that see part of the consumer's keys, P^T and dS^T are *selected* to 0 on the others, so a non-finite K or V
+of an unseen key (a NaN / Inf row of S^T or dP^T) adds exactly 0 to dK / dV, and the rows that see a
+non-finite key (their o, lse, delta non-finite) still add exactly 0 to the keys they do not see, as long as
+their q and do are finite. A non-finite element *in q or do itself* (an upstream NaN) would meet the
+``P^T = 0`` of the unseen keys inside the MMA (``0 * NaN``) and reach their dK / dV. Such a row always has a
+non-finite lse or delta: ``delta = rowsum(o * do)`` is NaN or +-inf as soon as one do element is (a product
+with a non-finite factor is never finite, nor is a sum with a non-finite term), and the forward gives a row
+with a non-finite q element lse -inf or NaN (its scores are NaN or +-inf: a NaN row sum fails the forward's
+``l > 0`` and gives -inf; all scores -inf give ``l = 0``, -inf too). The producer holds both row terms: an
+item of a masked entry (index ``>= n_full``) with a live row whose lse or delta is not finite (-inf
+included: every row of an item sees a key) is *suspect*; the producer loads it through ``landed``, sets
+every non-finite element of its Q and dO boxes to 0 in place (``_zero_nonfinite``: one warp, a flat view of
+the boxes' bytes, before either consumer reads the stage; both read the same zeroed boxes) and flags the
+item if it zeroed any. A consumer that sees some of its keys in a flagged item sets dK and dV of those keys
+to NaN before the item's products (NaN absorbs what they add: the portable kernel's explicit poisoning of
+the seen keys, ``_poison_seen``, here of every column, as a non-finite q makes P^T NaN on them anyway); the
+keys it does not see get exactly 0 from the zeroed rows. Whole-tile entries need nothing: every key of the
+tile is seen by every row, and the NaN reaches the keys through the MMAs as in the portable kernel's
+unmasked path. The common case pays one shared load and branch per masked item in the consumers (the item
+paths' instructions and registers are as before) and a warp reduction per item in the producer. A suspect
+item whose Q and dO are finite (its lse or delta non-finite through a non-finite key or value) is zeroed for
+nothing and not flagged. This relies on lse and delta being the forward's and ``rowsum(o * do)``: a caller's
+``delta`` that is finite for a non-finite do is not caught.
 
 Registers: a consumer holds dK, dV (64 + 64 per thread at D = 128), S^T and dP^T (32 + 32 at 64 rows) and
 the bf16 operands of P^T and dS^T; the row terms cost none beyond the accumulators, as the score MMAs start
@@ -77,7 +99,9 @@ and ``dQ *= scale`` at the end. V's stage is released as soon as dP has complete
 Containment is the forward's for V, applied to K: on tiles a consumer masks, P and dS are selected to 0 on the
 keys it does not see and ``dQ += dS K`` reads a copy of the K tile in the consumer's own shared slot with
 those keys' rows zeroed (``_visible_values``; ``k_smem`` slots ``NUM_STAGES + WG``). Fully seen tiles read the
-ring. Key tiles: ``dq_config`` (64 keys at D = 128, for the two extra K slots to fit shared memory).
+ring. Key tiles: ``dq_config`` (64 keys at D = 128, for the two extra K slots to fit shared memory). A
+non-finite q or do element needs nothing here: Q and dO are the A operands of ``S = Q K^T`` and ``dP = dO
+V^T`` (rows on the M side), so it reaches only its own row of S, dP, dS and so of dQ, the row's own output.
 
 The op's dispatch (attention.py) runs this backward after the Gluon DFlash forward (``forward_path``
 "gluon_sm90_dflash"); other masks, dtypes, head dims and GPUs take the portable backward.
