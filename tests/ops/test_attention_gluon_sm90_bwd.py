@@ -127,3 +127,68 @@ def test_dflash_bwd_nonfinite_confined(D, where, value):
     assert torch.equal(dk[~hit_k], clean[1][~hit_k]), "dk of a key no seer sees changed"
     assert torch.equal(dv[~hit_k], clean[2][~hit_k]), "dv of a key no seer sees changed"
     assert dq[~hit_q].isfinite().all() and dk[~hit_k].isfinite().all() and dv[~hit_k].isfinite().all()
+
+
+def _portable_bwd(do, q, k, v, o, lse, mask, scale):
+    """The portable launcher's backward (kernels.py) on the same o and lse."""
+    from dflash_kernels.ops.attention.attention import attention_bwd
+
+    fields = (mask.segments, mask.seg_count, mask.tiles, mask.rev_offsets, mask.rev_full, mask.rev_entries)
+    return attention_bwd(do, q, k, v, o, lse, *(t.contiguous() for t in fields), mask.q_block, mask.kv_tile,
+                         mask.tile_width, scale)
+
+
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["q", "do", "both"])
+@pytest.mark.parametrize("D", [128, 64], ids=lambda d: f"D{d}")
+@pytest.mark.parametrize("case", ["odd_gqa4_window", "gqa4_unsorted_window"])
+def test_dflash_bwd_nonfinite_q_do_confined(case, D, where, value, dtype):
+    """A NaN / Inf in a few rows of q or of do (the upstream gradient) reaches only those rows' dq and the dk /
+    dv of the keys those rows see (their kv head): every other element of dq, dk, dv equals the clean run's
+    exactly. Where the portable backward (on the same o and lse) gives a non-finite value, so does this one.
+    The window masks' anchors are not multiples of 64: the bad rows' items see part of a consumer's 64 keys,
+    so the keys they do not see share MMAs with the bad rows (the case the dk / dv kernel zeroes and
+    poisons; module docstring)."""
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import attention_fwd_gluon_sm90_dflash
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import attention_bwd_gluon_sm90_dflash
+
+    q, k, v, mask, dense = _dflash_case(case, D, dtype)
+    B, Tq, Hq, _ = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q.device, dtype)
+    dense = dense.expand(B, -1, -1)
+    # (batch, position, head, element): rows of live groups (5, 20 and 30; the padding blocks are groups 2, 3
+    # and N // 2), one of kv head 0, two of kv head 1; the last batch for the second.
+    rows = [(0, 5 * 16 + 3, 1, 7), (B - 1, 20 * 16 + 15, 6, 0), (0, 30 * 16, 4, D - 1)]
+    q2, do2 = q.clone(), do.clone()
+    for n, (b, t, h, d) in enumerate(rows):
+        target = {"q": q2, "do": do2, "both": q2 if n % 2 == 0 else do2}[where]
+        target[b, t, h, d] = value
+    hit_q = torch.zeros(B, Tq, Hq, dtype=torch.bool, device=q.device)
+    hit_k = torch.zeros(B, Tk, Hkv, dtype=torch.bool, device=q.device)
+    partial = False  # a bad row sees part of a 64-key block and not the rest
+    for b, t, h, d in rows:
+        assert dense[b, t].any(), "a bad row must see keys"
+        hit_q[b, t, h] = True
+        hit_k[b, :, h // G] |= dense[b, t]
+        blocks = dense[b, t, :Tk // 64 * 64].view(-1, 64)
+        partial |= bool((blocks.any(-1) & ~blocks.all(-1)).any())
+    assert partial, "the case must hold an item that sees part of a 64-key block"
+
+    clean = _run(q, k, v, mask, do, scale)
+    o, lse = attention_fwd_gluon_sm90_dflash(q2, k, v, mask, scale)
+    got = attention_bwd_gluon_sm90_dflash(do2, q2, k, v, o, lse, mask, scale)
+    ref = _portable_bwd(do2, q2, k, v, o, lse, mask, scale)
+    torch.cuda.synchronize()
+    for name, x, c, p, hit in (("dq", got[0], clean[0], ref[0], hit_q), ("dk", got[1], clean[1], ref[1], hit_k),
+                               ("dv", got[2], clean[2], ref[2], hit_k)):
+        assert (~hit).any()
+        assert torch.equal(x[~hit], c[~hit]), f"{name} outside what the bad rows reach differs from the clean run"
+        assert x[~hit].isfinite().all(), name
+        missing = ~p.isfinite() & x.isfinite()
+        assert not missing.any(), f"{name}: finite where the portable backward is not ({int(missing.sum())})"
+    assert not ref[1].isfinite().all(), "the portable backward reaches some dk with the non-finite rows"

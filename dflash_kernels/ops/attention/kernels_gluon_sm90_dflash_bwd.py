@@ -28,7 +28,7 @@ computes its exponentials the other's MMAs run.
 Partitions (``gl.warp_specialize``): the two consumer warpgroups (setmaxnreg ``CONSUMER_REGS``) and one
 producer warp (``PRODUCER_REGS``) that TMA-loads K and V once (four 64-key boxes) and then every item's Q and
 dO into a ring of ``NUM_STAGES`` stages, with each item's ``ROWS`` lse2 and delta values (plain loads,
-stored into a per-stage shared buffer before the stage is announced).
+stored into a per-stage shared buffer before the stage is announced) and its non-finite flag (below).
 
 Barrier protocol of the dk / dv kernel (every wait has exactly the arrivals it counts; a mistake hangs):
 
@@ -36,28 +36,50 @@ Barrier protocol of the dk / dv kernel (every wait has exactly the arrivals it c
   TMAs; both consumers wait for parity 0 once, before any item (also when the tile has no items, so that no
   TMA is in flight when the program ends).
 - ``ready[s]`` (count 1): item ``i`` uses stage ``s = i % NUM_STAGES``, pass ``p = i // NUM_STAGES``. The
-  producer stores the item's lse2 / delta into the stage's row buffer (all lanes), ``thread_barrier``, then
-  ``expect`` (its one arrival, a release that orders the row stores before it) with the Q and dO boxes' bytes,
-  then the two TMAs: the phase completes when both have landed. Each consumer waits for parity ``p & 1``
-  before reading the stage (acquire: the row buffer and the boxes).
+  producer stores the item's lse2 / delta into the stage's row buffer and its flag (0) into the stage's flag
+  word (all lanes), ``thread_barrier``, then ``expect`` (its one arrival, a release that orders those stores
+  before it) with the Q and dO boxes' bytes, then the two TMAs: the phase completes when both have landed.
+  A *suspect* item (below) instead: row stores, ``expect`` on ``landed`` and the two TMAs onto it, wait for
+  ``landed``, zero the boxes' non-finite elements in place, store the flag, ``fence_async_shared`` (the
+  generic-proxy stores before the consumers' MMAs read the boxes through the async proxy),
+  ``thread_barrier``, then a plain ``arrive`` on ``ready[s]`` (its one arrival, the release). Each consumer
+  waits for parity ``p & 1`` before reading the stage (acquire: the row buffer, the flag and the boxes).
+- ``landed`` (count 1, producer only): one phase per suspect item, waited for with parity ``n & 1`` (``n``
+  the suspect items before it); the producer waits before it announces the stage, so no TMA is in flight
+  when the program ends.
 - ``empty[s]`` (count 2): each consumer arrives once per item, after every MMA of it that read the stage has
-  completed (``warpgroup_mma_wait(0)``) and after reading the row buffer. The producer waits for parity
-  ``(p & 1) ^ 1`` before refilling the stage for item ``i`` (a fresh barrier has completed the phase before
-  phase 0, so the first pass runs through). A consumer waits for ``ready`` even for an item it skips: its
-  arrival for item ``i + NUM_STAGES`` then cannot come before the stage was refilled, which needs both
-  arrivals of item ``i``, so arrivals never fall into the wrong phase.
+  completed (``warpgroup_mma_wait(0)``) and after reading the row buffer and the flag. The producer waits for
+  parity ``(p & 1) ^ 1`` before refilling the stage (boxes, row buffer, flag) for item ``i`` (a fresh barrier
+  has completed the phase before phase 0, so the first pass runs through). A consumer waits for ``ready`` even
+  for an item it skips: its arrival for item ``i + NUM_STAGES`` then cannot come before the stage was
+  refilled, which needs both arrivals of item ``i``, so arrivals never fall into the wrong phase.
 
-Non-finite keys and values reach only the gradients of the keys and queries whose rows see them (the
-forward's guarantee, tests/ops/test_attention_gluon_sm90_bwd.py). Within an item every row sees the same keys
-(the entry's segment cut to the tile), so masking is by whole key rows of S^T, P^T, dS^T: on items that see
-part of the consumer's keys, P^T and dS^T are *selected* to 0 on the others, so a non-finite K or V of an
-unseen key (a NaN / Inf row of S^T or dP^T) adds exactly 0 to dK / dV, and the rows that see a non-finite key
-(their o, lse, delta non-finite) still add exactly 0 to the keys they do not see, since their q and do are
-finite. Limitation: a non-finite element *in q or do itself* (an upstream NaN) meets the ``P^T = 0`` of the
-unseen keys of its item inside the MMA (``0 * NaN``), so it reaches the dK / dV of those unseen keys of the
-same 64-key block too (the portable kernel zeroes such operands and poisons the seen keys explicitly; a fresh
-accumulator per masked item, added with a select, did the same here but spilled hundreds of registers at
-D = 128). Fully seen items need nothing: every key of the product is seen.
+Non-finite values stay with the rows and keys that meet them (the portable kernels' contract: kernels.py,
+tests/ops/test_nonfinite.py, tests/ops/test_attention_gluon_sm90_bwd.py). Within an item every row sees the
+same keys (the entry's segment cut to the tile), so masking is by whole key rows of S^T, P^T, dS^T: on items
+that see part of the consumer's keys, P^T and dS^T are *selected* to 0 on the others, so a non-finite K or V
+of an unseen key (a NaN / Inf row of S^T or dP^T) adds exactly 0 to dK / dV, and the rows that see a
+non-finite key (their o, lse, delta non-finite) still add exactly 0 to the keys they do not see, as long as
+their q and do are finite. A non-finite element *in q or do itself* (an upstream NaN) would meet the
+``P^T = 0`` of the unseen keys inside the MMA (``0 * NaN``) and reach their dK / dV. Such a row always has a
+non-finite lse or delta: ``delta = rowsum(o * do)`` is NaN or +-inf as soon as one do element is (a product
+with a non-finite factor is never finite, nor is a sum with a non-finite term), and the forward gives a row
+with a non-finite q element lse -inf or NaN (its scores are NaN or +-inf: a NaN row sum fails the forward's
+``l > 0`` and gives -inf; all scores -inf give ``l = 0``, -inf too). The producer holds both row terms: an
+item of a masked entry (index ``>= n_full``) with a live row whose lse or delta is not finite (-inf
+included: every row of an item sees a key) is *suspect*; the producer loads it through ``landed``, sets
+every non-finite element of its Q and dO boxes to 0 in place (``_zero_nonfinite``: one warp, a flat view of
+the boxes' bytes, before either consumer reads the stage; both read the same zeroed boxes) and flags the
+item if it zeroed any. A consumer that sees some of its keys in a flagged item sets dK and dV of those keys
+to NaN before the item's products (NaN absorbs what they add: the portable kernel's explicit poisoning of
+the seen keys, ``_poison_seen``, here of every column, as a non-finite q makes P^T NaN on them anyway); the
+keys it does not see get exactly 0 from the zeroed rows. Whole-tile entries need nothing: every key of the
+tile is seen by every row, and the NaN reaches the keys through the MMAs as in the portable kernel's
+unmasked path. The common case pays one shared load and branch per masked item in the consumers (the item
+paths' instructions and registers are as before) and a warp reduction per item in the producer. A suspect
+item whose Q and dO are finite (its lse or delta non-finite through a non-finite key or value) is zeroed for
+nothing and not flagged. This relies on lse and delta being the forward's and ``rowsum(o * do)``: a caller's
+``delta`` that is finite for a non-finite do is not caught.
 
 Registers: a consumer holds dK, dV (64 + 64 per thread at D = 128), S^T and dP^T (32 + 32 at 64 rows) and
 the bf16 operands of P^T and dS^T; the row terms cost none beyond the accumulators, as the score MMAs start
@@ -77,7 +99,9 @@ and ``dQ *= scale`` at the end. V's stage is released as soon as dP has complete
 Containment is the forward's for V, applied to K: on tiles a consumer masks, P and dS are selected to 0 on the
 keys it does not see and ``dQ += dS K`` reads a copy of the K tile in the consumer's own shared slot with
 those keys' rows zeroed (``_visible_values``; ``k_smem`` slots ``NUM_STAGES + WG``). Fully seen tiles read the
-ring. Key tiles: ``dq_config`` (64 keys at D = 128, for the two extra K slots to fit shared memory).
+ring. Key tiles: ``dq_config`` (64 keys at D = 128, for the two extra K slots to fit shared memory). A
+non-finite q or do element needs nothing here: Q and dO are the A operands of ``S = Q K^T`` and ``dP = dO
+V^T`` (rows on the M side), so it reaches only its own row of S, dP, dS and so of dQ, the row's own output.
 
 The op's dispatch (attention.py) runs this backward after the Gluon DFlash forward (``forward_path``
 "gluon_sm90_dflash"); other masks, dtypes, head dims and GPUs take the portable backward.
@@ -129,10 +153,34 @@ def row_descriptor(x: torch.Tensor, q_block: int, GH: int) -> TensorDescriptor:
 
 
 @gluon.jit
+def _zero_nonfinite(tile):
+    """Set every non-finite element of the 16-bit float shared tile ``tile`` (a Q or dO box of the ring) to 0,
+    in place, by one warp; 1 if it held one, else 0. Element by element, so the tile is read through a flat
+    view of its bytes (its swizzle does not matter): 16 bytes a lane, a runtime loop, few registers."""
+    if tile.dtype == gl.bfloat16:
+        EXP: gl.constexpr = 0x7F80  # exponent bits: all set for NaN and +-inf
+    else:
+        EXP: gl.constexpr = 0x7C00
+    N: gl.constexpr = tile.numel // (32 * 8)
+    flat = tile._reinterpret(gl.int16, [N, 32, 8], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [1, 1], [1, 0])
+    hit = gl.zeros([32], gl.int32, gl.SliceLayout(1, layout))  # one register a lane
+    for c in range(N):
+        piece = flat.index(c)
+        x = piece.load(layout)
+        bad = (x & EXP) == EXP
+        piece.store(gl.where(bad, gl.zeros_like(x), x))
+        hit = gl.maximum(hit, gl.max(bad.to(gl.int32), axis=1))  # within the lane
+    return gl.max(hit, axis=0)
+
+
+@gluon.jit
 def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem, k_smem,
-                   v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq, sm_scale,
-                   G: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """K and V of the program's key tile, then Q, dO and the row terms of every item into the ring."""
+                   v_smem, row_smem, flag_smem, kv_bar, landed, ready, empty, b, hk, n0, e_start, n_items, n_full,
+                   Tq, Hq, sm_scale, G: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """K and V of the program's key tile, then Q, dO, the row terms and the flag of every item into the ring;
+    the Q and dO of a masked item whose rows' lse or delta is not finite with their non-finite elements
+    zeroed (module docstring)."""
     BQ: gl.constexpr = q_desc.block_type.shape[1]
     GH: gl.constexpr = q_desc.block_type.shape[2]
     D: gl.constexpr = q_desc.block_type.shape[3]
@@ -145,7 +193,9 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entr
         tma.async_copy_global_to_shared(v_desc, [b, n0 + w * KH_, hk * D], kv_bar, v_smem.index(w))
 
     row_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     r = gl.arange(0, ROWS, row_layout)
+    n_landed = 0  # items loaded through `landed` so far: its phase
     for i in range(n_items):
         stage = i % NUM_STAGES
         e = e_start + i // NC
@@ -159,15 +209,37 @@ def _dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entr
         # -delta. lse = -inf (a row that sees nothing) and rows past Tq give -inf: P = 0 exactly there.
         lse = gl.load(lse_ptr + row, mask=ok, other=float("-inf"))
         nlse = gl.where(lse == float("-inf"), float("-inf"), -lse / sm_scale)
-        ndlt = -gl.load(delta_ptr + row, mask=ok, other=0.0)
+        dlt = gl.load(delta_ptr + row, mask=ok, other=0.0)
+        # A non-finite q or do element makes its row's lse (forward) or delta not finite; lse -inf counts too
+        # (every row of an item sees a key). Only masked entries' items need their Q and dO looked at.
+        fine = (gl.abs(lse) < float("inf")) & (gl.abs(dlt) < float("inf"))  # NaN compares False
+        suspect = (i >= n_full) & (gl.max(gl.where(ok, 1 - fine.to(gl.int32), 0), axis=0) != 0)
         mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
         row_smem.index(2 * stage).store(nlse)
-        row_smem.index(2 * stage + 1).store(ndlt)
-        gl.thread_barrier()  # every lane's row stores before the (one-lane) arrival below
-        bar = ready.index(stage)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, g * BQ, h0, 0], bar, q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [b, g * BQ, h0, 0], bar, do_smem.index(stage))
+        row_smem.index(2 * stage + 1).store(-dlt)
+        q_stage = q_smem.index(stage)
+        do_stage = do_smem.index(stage)
+        nbytes: gl.constexpr = q_desc.block_type.nbytes + do_desc.block_type.nbytes
+        if suspect:
+            # Rare: load, zero the non-finite elements in place (before either consumer reads the stage), flag
+            # the item if there were any, then announce the stage with a plain arrival.
+            mbarrier.expect(landed, nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, g * BQ, h0, 0], landed, q_stage)
+            tma.async_copy_global_to_shared(do_desc, [b, g * BQ, h0, 0], landed, do_stage)
+            mbarrier.wait(landed, n_landed & 1)
+            n_landed += 1
+            hit = gl.maximum(_zero_nonfinite(q_stage), _zero_nonfinite(do_stage))
+            flag_smem.index(stage).store(gl.full([1], hit, gl.int32, flag_layout))
+            fence_async_shared()  # the zeroing stores before the consumers' MMAs (async proxy) read the stage
+            gl.thread_barrier()  # every lane's stores before the (one-lane) arrival below
+            mbarrier.arrive(ready.index(stage))
+        else:
+            flag_smem.index(stage).store(gl.full([1], 0, gl.int32, flag_layout))
+            gl.thread_barrier()  # every lane's row stores before the (one-lane) arrival below
+            bar = ready.index(stage)
+            mbarrier.expect(bar, nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, g * BQ, h0, 0], bar, q_stage)
+            tma.async_copy_global_to_shared(do_desc, [b, g * BQ, h0, 0], bar, do_stage)
 
 
 @gluon.jit
@@ -231,9 +303,9 @@ def _dkdv_store(acc, buf, ptr, b, hk, first, Tk, Hkv, D: gl.constexpr):
 
 
 @gluon.jit
-def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar,
-                   ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv, qk_scale, sm_scale,
-                   WG: gl.constexpr, G: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem, flag_smem,
+                   kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv, qk_scale,
+                   sm_scale, WG: gl.constexpr, G: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program."""
     BQ: gl.constexpr = q_smem.shape[2]
     GH: gl.constexpr = q_smem.shape[3]
@@ -248,6 +320,7 @@ def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_sme
     dv = gl.zeros([KROWS, D], gl.float32, o_layout)
     kt = k_smem.index(WG).reshape([KROWS, D])
     vt = v_smem.index(WG).reshape([KROWS, D])
+    flag_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mbarrier.wait(kv_bar, 0)
     for i in range(n_items):
         stage = i % NUM_STAGES
@@ -264,6 +337,14 @@ def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_sme
         mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
         q = q_smem.index(stage).reshape([ROWS, D])
         do = do_smem.index(stage).reshape([ROWS, D])
+        if masked & some:
+            if gl.max(flag_smem.index(stage).load(flag_layout), axis=0) != 0:
+                # The producer zeroed non-finite q / do elements of the item: NaN on the keys it sees, set
+                # before the item's products (NaN absorbs what they add), where nothing else is live.
+                keys = first + gl.arange(0, KROWS, gl.SliceLayout(1, o_layout))
+                seen = gl.expand_dims((keys >= lo) & (keys < hi), 1)
+                dk = gl.where(seen, float("nan"), dk)
+                dv = gl.where(seen, float("nan"), dv)
         if whole:
             dk, dv = _dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, first, lo, hi, False, s_layout,
                                 o_layout)
@@ -313,10 +394,13 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     row_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, ROWS],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # per-row-vector layout
+    flag_smem = gl.allocate_shared_memory(gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(landed, count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=2)
@@ -325,14 +409,14 @@ def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta
 
     gl.warp_specialize([
         (_dkdv_consumer, (dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem,
-                          kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
+                          flag_smem, kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
                           qk_scale, sm_scale, 0, G, NUM_STAGES)),
         (_dkdv_consumer, (dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_smem, v_smem, row_smem,
-                          kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
+                          flag_smem, kv_bar, ready, empty, b, bm, hk, n0, e_start, n_items, n_full, Tk, NG, MS, Hkv,
                           qk_scale, sm_scale, 1, G, NUM_STAGES)),
         (_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, rev_entries, q_smem, do_smem,
-                          k_smem, v_smem, row_smem, kv_bar, ready, empty, b, hk, n0, e_start, n_items, Tq, Hq,
-                          sm_scale, G, NUM_STAGES)),
+                          k_smem, v_smem, row_smem, flag_smem, kv_bar, landed, ready, empty, b, hk, n0, e_start,
+                          n_items, n_full, Tq, Hq, sm_scale, G, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
