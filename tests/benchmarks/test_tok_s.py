@@ -128,6 +128,24 @@ def test_profile_categories(name, cat):
     assert tok_s.category(name) == cat
 
 
+def test_profile_counts_every_attention_kernel_as_attention():
+    """Every kernel the attention op launches (the portable ones, the Hopper Gluon forwards and backward, the mask
+    builders), found in its modules, shows in the profile under its function's name in category attention."""
+    import importlib
+    import pkgutil
+
+    import dflash_kernels.ops.attention as pkg
+    from dflash_kernels.runtime import TritonKernel
+
+    names = set()
+    for info in pkgutil.iter_modules(pkg.__path__):
+        module = importlib.import_module(f"{pkg.__name__}.{info.name}")
+        names |= {k.fn.__name__ for k in vars(module).values() if isinstance(k, TritonKernel)}
+    assert {"_attn_fwd_dflash_ws_kernel", "_attn_bwd_dkdv_ws_kernel", "_attn_bwd_dq_ws_kernel",
+            "_attention_fwd_ws_kernel", "_attention_bwd_dkdv_kernel"} <= names
+    assert {name: tok_s.category(name) for name in names} == dict.fromkeys(names, "attention")
+
+
 def test_profile_on_cpu_says_it_is_skipped():
     lines = []
     tok_s.profile_steps(lambda: None, 1, torch.device("cpu"), "tiny (a)", lines.append)

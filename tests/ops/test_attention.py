@@ -437,6 +437,7 @@ def test_forward_choice_by_mask_form_dtype_and_gpu():
     assert choose_forward(9, torch.float16, 64, 8, dflash) == "gluon_sm90_dflash"
     assert choose_forward(9, bf16, 128, 4, causal) == "gluon_sm90_causal"
     assert choose_forward(9, bf16, 128, 1, causal) == "gluon_sm90_causal"
+    assert choose_forward(9, torch.float16, 64, 1, causal) == "gluon_sm90_causal"
     portable = [
         (8, bf16, 128, 4, dflash),  # not Hopper
         (10, bf16, 128, 4, dflash),
@@ -446,8 +447,7 @@ def test_forward_choice_by_mask_form_dtype_and_gpu():
         (9, bf16, 128, 2, dflash),  # 16 x 2 rows: half a warpgroup
         (9, bf16, 128, 4, dflash_block_mask(anchors, 24, 8)),  # 8-token blocks: 32 rows
         (9, bf16, 128, 4, dataclasses.replace(dflash, form="general")),
-        (9, torch.float16, 128, 4, causal),  # the dense forward: bf16 at D 128 only (what has run on a GPU)
-        (9, bf16, 64, 4, causal),
+        (9, bf16, 256, 4, causal),
     ]
     for args in portable:
         assert choose_forward(*args) == "portable", args[:4]
@@ -505,7 +505,7 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
     causal = form == "causal"
     o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype, dense=dense, rms_rows=causal)
     gluon_fwd = forward_path(q, k, v, mask) != "portable"
-    assert gluon_fwd == (not causal or (dtype == torch.bfloat16 and D == 128)), forward_path(q, k, v, mask)
+    assert gluon_fwd, forward_path(q, k, v, mask)
     assert bool(kernel.cache_info()) == gluon_fwd, "the Gluon forward ran where it should not, or did not run"
     gluon_bwd = not causal
     assert bool(attention_bwd_gluon_dkdv_kernel.cache_info()) == gluon_bwd, "the Gluon backward's choice"

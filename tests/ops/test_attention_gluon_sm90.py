@@ -6,7 +6,8 @@ op's outputs alongside; non-finite K / V confined to the rows that see them).
 
 Gluon kernels run only on the GPU they are written for (no interpreter path): those tests need a CUDA device
 of compute capability 9.x and skip elsewhere, the interpreter included. The mask checks of the DFlash launcher
-run everywhere. The launchers are called directly; the op's dispatch does not choose these kernels. Output
+run everywhere. The launchers are called directly (tests/ops/test_attention.py's Hopper tests go through the
+op's dispatch, which chooses these kernels). Output
 buffers are NaN-filled before the launch (DFLASH_KERNELS_POISON), so an element a kernel does not write fails.
 """
 

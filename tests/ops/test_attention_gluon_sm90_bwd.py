@@ -6,7 +6,8 @@ the gradients of the keys and queries that see them.
 
 Needs a CUDA device of compute capability 9.x (no interpreter path): skips elsewhere. Output buffers are
 NaN-filled before the launch (DFLASH_KERNELS_POISON), so an element a kernel does not write fails. The
-launcher is called directly on the Gluon forward's o and lse; the op's dispatch does not choose it.
+launcher is called directly on the Gluon forward's o and lse (the op's dispatch runs it after that forward:
+tests/ops/test_attention.py's Hopper tests).
 """
 
 import math

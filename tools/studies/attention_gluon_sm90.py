@@ -1,5 +1,5 @@
 """The warp-specialized Gluon forwards (``kernels_gluon_sm90.py`` dense, ``kernels_gluon_sm90_dflash.py`` for
-the DFlash mask; neither chosen by the dispatch) on a GPU of compute capability 9.0: each one's output
+the DFlash mask; both chosen by the op's dispatch on sm_90) on a GPU of compute capability 9.0: each one's output
 against a peer's, then its time against the peers.
 
     python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick] [--only dense|dflash|dflash_bwd]

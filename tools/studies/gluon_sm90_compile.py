@@ -74,7 +74,7 @@ def compile_gluon_dflash(D: int, G: int = 4, q_block: int = 16, dtype=None):
     x = torch.empty(1, cfg["BN"], 2, D, dtype=dtype)
     kv_desc = G_.descriptor(x, cfg["BN"])
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    fn = GD._dflash_fwd_ws_kernel
+    fn = GD._attn_fwd_dflash_ws_kernel
     sig = {"q_ptr": ptr, "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc), "o_ptr": ptr,
            "lse_ptr": "*fp32", "segments": "*i32", "seg_count": "*i32", "Tq": "i32", "NG": "i32", "MS": "i32",
            "MB": "i32", "Hq": "i32", "Hkv": "i32", "NBH": "i32", "qk_scale": "fp32"}
@@ -114,7 +114,7 @@ def compile_gluon_dflash_bwd(D: int, kernel: str, G: int = 4, q_block: int = 16,
         x = torch.empty(1, q_block, G, D, dtype=dtype)
         row_desc = GB.row_descriptor(x, q_block, GH)
         kv_desc = G_.descriptor(torch.empty(1, GB.KH, 2, D, dtype=dtype), GB.KH)
-        fn = GB._dkdv_kernel
+        fn = GB._attn_bwd_dkdv_ws_kernel
         sig = {"q_desc": mangle_type(row_desc), "do_desc": mangle_type(row_desc), "k_desc": mangle_type(kv_desc),
                "v_desc": mangle_type(kv_desc), "dk_ptr": ptr, "dv_ptr": ptr, "lse_ptr": "*fp32",
                "delta_ptr": "*fp32", "segments": "*i32", "rev_offsets": "*i32", "rev_full": "*i32",
@@ -126,7 +126,7 @@ def compile_gluon_dflash_bwd(D: int, kernel: str, G: int = 4, q_block: int = 16,
     else:
         cfg = GB.dq_config(D)
         kv_desc = G_.descriptor(torch.empty(1, cfg["BN"], 2, D, dtype=dtype), cfg["BN"])
-        fn = GB._dq_kernel
+        fn = GB._attn_bwd_dq_ws_kernel
         sig = {"q_ptr": ptr, "do_ptr": ptr, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": ptr,
                "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc), "segments": "*i32",
                "seg_count": "*i32", "Tq": "i32", "NG": "i32", "MS": "i32", "MB": "i32", "Hq": "i32", "Hkv": "i32",

@@ -62,8 +62,7 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     The Hopper forwards need capability 9.x. The DFlash one takes ``dflash_block_mask`` masks whose query groups
     fill a 64-row warpgroup (``q_block`` x the query heads packed per kv head = 64: 16-token blocks at GQA 4 or
     8; with fewer rows the warpgroup MMA runs partly empty, untimed against the portable forward), bf16 / fp16,
-    D 64 or 128; the dense one ``causal_block_mask`` masks, bf16, D 128 (the configuration run on a GPU so far;
-    fp16 and D 64 compile but have not run). Everything else runs the portable forward, which takes every mask,
+    D 64 or 128; the dense one ``causal_block_mask`` masks, bf16 / fp16, D 64 or 128. Everything else runs the portable forward, which takes every mask,
     dtype and head dim. The backward after the Gluon DFlash forward is its Gluon sibling
     (kernels_gluon_sm90_dflash_bwd.py, :func:`_gluon_backward`); the portable backward, which reads any
     forward's o and lse, follows the others."""
@@ -72,7 +71,7 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     if mask.form == "dflash" and mask.tiles.shape[0] == 0 and mask.segments.shape[2] <= 2 and mask.q_block <= 64:
         if mask.q_block * gluon_dflash_rows(mask.q_block, G) == 64:
             return GLUON_DFLASH
-    if mask.form == "causal" and dtype == torch.bfloat16 and D == 128:
+    if mask.form == "causal":
         return GLUON_CAUSAL
     return PORTABLE
 

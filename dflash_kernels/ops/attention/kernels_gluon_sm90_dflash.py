@@ -49,7 +49,7 @@ sm_90's 232,448 per block) and 32 KiB at D = 64; and time only on masked tiles (
 between the two groups' ranges), 32 keys at a time, outside the consumer's ping-pong turn.
 
 The op's dispatch (attention.py) runs this forward for ``dflash_block_mask`` masks on sm_90 GPUs (bf16 / fp16,
-D 64 / 128); the backward stays the portable one, which reads this forward's o and lse.
+D 64 / 128), and after it the backward's Gluon sibling (kernels_gluon_sm90_dflash_bwd.py).
 """
 
 import torch
@@ -100,7 +100,7 @@ def _union(lo_a, hi_a, lo_b, hi_b, BN: gl.constexpr):
 @gluon.jit
 def _pair_program(segments, seg_count, NG, MS, MB, Hkv, k_desc, G: gl.constexpr, GH: gl.constexpr,
                   BQ: gl.constexpr, BN: gl.constexpr):
-    """This program's place in the two-group grid (``_dflash_fwd_ws_kernel``'s docstring; the backward's dq
+    """This program's place in the two-group grid (``_attn_fwd_dflash_ws_kernel``'s docstring; the backward's dq
     kernel runs the same grid): batch ``b``, kv head ``hk``, first query head ``h0``, first group ``g0``; the
     key walk over the union of the two groups' segments (``n_tiles`` BN-key tiles: ``n0`` from ``start0``, then
     from ``start1``) and each group's two segments ``[lo, hi)``. Checks the build's shapes (``k_desc``'s
@@ -174,9 +174,10 @@ def _dflash_producer(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, 
 
 
 @gluon.jit
-def _dflash_fwd_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, segments, seg_count, Tq, NG, MS, MB, Hq, Hkv,
-                          NBH, qk_scale, G: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr, BN: gl.constexpr,
-                          NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+def _attn_fwd_dflash_ws_kernel(q_ptr, k_desc, v_desc, o_ptr, lse_ptr, segments, seg_count, Tq, NG, MS, MB, Hq,
+                               Hkv, NBH, qk_scale, G: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr,
+                               BN: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               PRODUCER_REGS: gl.constexpr):
     """One program: query groups ``2i, 2i + 1`` x ``GH`` heads of one kv head. Grid: ``cdiv(NG, 2) * NBH``
     programs (``NBH = B * Hkv * G / GH``), flat, group pairs fastest and in reverse: with sorted anchors the
     last groups see the longest contexts, and starting them first keeps the last wave short (as the portable
@@ -281,5 +282,6 @@ def dflash_fwd(q, k, v, segments, seg_count, q_block, scale):
     return o, lse
 
 
-attention_fwd_gluon_dflash_kernel = TritonKernel(_dflash_fwd_ws_kernel, name="block_sparse_attn_fwd_gluon_sm90_dflash",
+attention_fwd_gluon_dflash_kernel = TritonKernel(_attn_fwd_dflash_ws_kernel,
+                                                 name="block_sparse_attn_fwd_gluon_sm90_dflash",
                                                  configs=GLUON_CONFIGS)  # the dense kernel's one launch config

@@ -3,7 +3,7 @@ kernels_gluon_sm90_dflash.py (read its docstring: the masks it takes, the GQA ro
 programs, the non-finite containment). Two kernels, deterministic (fixed summation orders, no atomics), after
 the portable preprocess (``delta = rowsum(o * do)``, kernels.py):
 
-dk / dv (``_dkdv_kernel``), most of the backward's time. One program per (batch, kv head, key tile of
+dk / dv (``_attn_bwd_dkdv_ws_kernel``), most of the backward's time. One program per (batch, kv head, key tile of
 ``BN = 128`` keys); consumer warpgroup ``w`` (two of them) owns keys ``n0 + 64 w + [0, 64)`` and holds their
 dk, dv ``[64, D]`` fp32 in registers (keys on the warpgroup MMA's M side). The program walks the reverse
 index of the mask built for 128-key tiles (mask.py's ``rev_offsets`` / ``rev_full`` / ``rev_entries``; the
@@ -87,10 +87,10 @@ from them (``-lse / scale`` and ``-delta`` broadcast over the keys: ``exp2((S^T 
 log2 e)`` and ``dP^T - delta`` come out of the MMAs). Holding them as separate vectors (16 registers each)
 spilled at D = 128.
 
-dq (``_dq_kernel``): the forward's programs (two adjacent query groups sharing the union of their key ranges,
-one per consumer warpgroup, 64 GQA-packed rows with dead rows as zeros) and its producer and K / V ring
-(``_load_kv``, ``_init_ring`` of kernels_gluon_sm90.py; the ping-pong turns are not used). Q, dO, lse, delta
-are loaded once per program with plain loads. Per key tile::
+dq (``_attn_bwd_dq_ws_kernel``): the forward's programs (two adjacent query groups sharing the union of their key
+ranges, one per consumer warpgroup, 64 GQA-packed rows with dead rows as zeros) and its producer and K / V ring
+(``_load_kv``, ``_init_ring`` of kernels_gluon_sm90.py; the ping-pong turns are not used). Q, dO, lse, delta are
+loaded once per program with plain loads. Per key tile::
 
     S = Q K^T, dP = dO V^T (both issued, S waited first), P = exp2(S * scale * log2 e - lse2),
     dS = P (dP - delta), dQ += dS K
@@ -358,10 +358,10 @@ def _dkdv_consumer(dk_ptr, dv_ptr, segments, rev_entries, q_smem, do_smem, k_sme
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta_ptr, segments, rev_offsets,
-                 rev_full, rev_entries, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, NBH, qk_scale, sm_scale,
-                 G: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                 PRODUCER_REGS: gl.constexpr):
+def _attn_bwd_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta_ptr, segments,
+                             rev_offsets, rev_full, rev_entries, Tq, Tk, NG, MS, MB, NKV, Hq, Hkv, NBH, qk_scale,
+                             sm_scale, G: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                             PRODUCER_REGS: gl.constexpr):
     """One program: the 128-key tile ``pid // NBH`` of (batch, kv head) ``pid % NBH`` (``NBH = B * Hkv``):
     key tiles in ascending order with the heads fastest, as the portable dk / dv kernel (kernels.py: the first
     keys are seen by the most groups; every head's heavy tiles start first)."""
@@ -492,12 +492,12 @@ def _dq_consumer(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, q_smem, do_smem, k_s
 
 
 @gluon.jit
-def _dq_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, k_desc, v_desc, segments, seg_count, Tq, NG, MS, MB,
-               Hq, Hkv, NBH, qk_scale, sm_scale, G: gl.constexpr, BQ: gl.constexpr, GH: gl.constexpr,
-               BN: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-               PRODUCER_REGS: gl.constexpr):
+def _attn_bwd_dq_ws_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, k_desc, v_desc, segments, seg_count, Tq, NG,
+                           MS, MB, Hq, Hkv, NBH, qk_scale, sm_scale, G: gl.constexpr, BQ: gl.constexpr,
+                           GH: gl.constexpr, BN: gl.constexpr, NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                           PRODUCER_REGS: gl.constexpr):
     """One program: query groups ``2i, 2i + 1`` x ``GH`` heads of one kv head, the forward's grid and order
-    (kernels_gluon_sm90_dflash.py's ``_dflash_fwd_ws_kernel``)."""
+    (kernels_gluon_sm90_dflash.py's ``_attn_fwd_dflash_ws_kernel``)."""
     D: gl.constexpr = k_desc.block_type.shape[2]
     ROWS: gl.constexpr = 64
     b, hk, h0, g0, n_tiles, start0, n0, start1, lo00, hi00, lo01, hi01, lo10, hi10, lo11, hi11 = _pair_program(
@@ -624,7 +624,7 @@ def attention_bwd_gluon_sm90_dflash(do: torch.Tensor, q: torch.Tensor, k: torch.
 
 
 # Launched through the runtime's kernel cache with the forwards' one launch config (kernels_gluon_sm90.py).
-attention_bwd_gluon_dq_kernel = TritonKernel(_dq_kernel, name="block_sparse_attn_bwd_gluon_sm90_dq",
+attention_bwd_gluon_dq_kernel = TritonKernel(_attn_bwd_dq_ws_kernel, name="block_sparse_attn_bwd_gluon_sm90_dq",
                                              configs=GLUON_CONFIGS)
-attention_bwd_gluon_dkdv_kernel = TritonKernel(_dkdv_kernel, name="block_sparse_attn_bwd_gluon_sm90_dkdv",
+attention_bwd_gluon_dkdv_kernel = TritonKernel(_attn_bwd_dkdv_ws_kernel, name="block_sparse_attn_bwd_gluon_sm90_dkdv",
                                                configs=GLUON_CONFIGS)
