@@ -7,17 +7,19 @@ against a peer's, then its time against the peers.
 Shapes (bf16, D = 128): dense causal B=2, H=32, L=8192 (the attention issue's SDPA comparison), the same
 without the mask, and causal B=4, L=4096 with GQA (32 query heads over 8 kv heads). Per shape one JSON row:
 the relative Frobenius error of o against ``scaled_dot_product_attention`` (a self-check: the tests hold the
-fp32 bounds), then ``do_bench`` medians of the Gluon forward, SDPA, and, for the causal shapes, the portable
-``block_sparse_attention`` with ``causal_block_mask`` (forward only, no autograd; its tuning as the runtime
-finds it). Effective TFLOP/s count visible pairs only (``4 * D * H * pairs``). Rows are printed and appended
-to FILE when given.
+fp32 bounds), then ``do_bench`` medians of the Gluon forward, SDPA, and, for the causal shapes,
+``block_sparse_attention`` with ``causal_block_mask`` (forward only, no autograd) under backend ``portable``
+(``portable_ms``, its tuning as the runtime finds it) and through the op's default dispatch (``op_ms``: the
+Gluon forward on sm_90, launched through the kernel cache). Effective TFLOP/s count visible pairs only
+(``4 * D * H * pairs``). Rows are printed and appended to FILE when given.
 
 DFlash shapes (bf16, D = 128, S = 3072 context, N = 512 anchors: q ``[B, 8192, 32, 128]``, k / v
 ``[B, 3072 + 8192, 8, 128]``; B = 1 and 4, window None and 2048): the inputs, sorted anchors and mask exactly
 as ``benchmarks/bench_attention.py`` builds them (its ``_shape_inputs``). Per shape one row: the relative
-Frobenius error of o against the portable forward and whether the same rows see nothing, then ``do_bench``
-medians of the Gluon DFlash forward (its mask check, a device synchronisation, run once before the clock)
-and of ``block_sparse_attention`` (forward only, no autograd; its tuning as the runtime finds it), and
+Frobenius error of o against the portable forward (backend ``portable``) and whether the same rows see
+nothing, then ``do_bench`` medians of the Gluon DFlash forward (its mask check, a device synchronisation, run
+once before the clock) and of ``block_sparse_attention`` (forward only, no autograd) under backend ``portable``
+(``portable_ms``) and through the op's default dispatch (``op_ms``), and
 TFLOP/s over visible pairs as bench_attention counts them (``4 * D * Hq * visible_pairs``).
 
 Backward (``--only dflash_bwd``, the same DFlash shapes): the Gluon backward (kernels_gluon_sm90_dflash_bwd.py:
@@ -30,6 +32,7 @@ caller's timeout: run it under ``timeout``.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -43,6 +46,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 SHAPES = [dict(B=2, H=32, Hkv=32, L=8192, D=128, causal=True), dict(B=2, H=32, Hkv=32, L=8192, D=128, causal=False),
           dict(B=4, H=32, Hkv=8, L=4096, D=128, causal=True)]
 DFLASH_SHAPES = [dict(B=B, S=3072, N=512, Hq=32, Hkv=8, D=128, window=w) for B in (1, 4) for w in (None, 2048)]
+
+
+@contextlib.contextmanager
+def _backend(name):
+    """The attention op under backend ``name`` (``auto``: the default dispatch) for the block."""
+    from dflash_kernels import set_backend
+
+    set_backend("attention", name)
+    try:
+        yield
+    finally:
+        set_backend("attention", "auto")
 
 
 def run(shape, quick=False):
@@ -69,9 +84,10 @@ def run(shape, quick=False):
     row["sdpa_ms"] = do_bench(sdpa, **reps)
     if causal:
         mask = causal_block_mask(L, device="cuda")
-        with torch.no_grad():
-            block_sparse_attention(q, k, v, mask)  # compiled and tuned before the clock
-            row["portable_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, mask), **reps)
+        for key, backend in (("portable_ms", "portable"), ("op_ms", "auto")):
+            with _backend(backend), torch.no_grad():
+                block_sparse_attention(q, k, v, mask)  # compiled and tuned before the clock
+                row[key] = do_bench(lambda: block_sparse_attention(q, k, v, mask), **reps)
     pairs = B * H * (L * (L + 1) // 2 if causal else L * L)
     for key in [x for x in row if x.endswith("_ms")]:
         row[key[:-3] + "_TFLOPs"] = 4 * D * pairs / row[key] / 1e9
@@ -87,7 +103,7 @@ def run_dflash(shape, quick=False):
     q, k, v = (x.detach() for x in (q, k, v))
     scale = shape["D"] ** -0.5
     o, lse = attention_fwd_gluon_sm90_dflash(q, k, v, mask, scale)  # checks the mask's form once
-    with torch.no_grad():
+    with _backend("portable"), torch.no_grad():
         po, plse = block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)  # compiled and tuned
     row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mask": "dflash", **shape,
            "visible_pairs": pairs, "rel_err_vs_portable": ((o.float() - po.float()).norm() / po.float().norm()).item(),
@@ -95,8 +111,10 @@ def run_dflash(shape, quick=False):
     reps = dict(warmup=10, rep=50) if quick else {}
     row["gluon_ms"] = do_bench(lambda: attention_fwd_gluon_sm90_dflash(q, k, v, mask, scale, check_mask=False),
                                **reps)
-    with torch.no_grad():
-        row["portable_ms"] = do_bench(lambda: block_sparse_attention(q, k, v, mask, scale=scale), **reps)
+    for key, backend in (("portable_ms", "portable"), ("op_ms", "auto")):
+        with _backend(backend), torch.no_grad():
+            block_sparse_attention(q, k, v, mask, scale=scale)  # compiled before the clock
+            row[key] = do_bench(lambda: block_sparse_attention(q, k, v, mask, scale=scale), **reps)
     for key in [x for x in row if x.endswith("_ms")]:
         row[key[:-3] + "_TFLOPs"] = 4 * shape["D"] * shape["Hq"] * pairs / row[key] / 1e9
     return row
