@@ -460,9 +460,9 @@ def attention_fwd_gluon_sm90(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # One launch configuration: the kernel's tiles are fixed per head dim (tile_config) and its register split is
 # part of its design (setmaxnreg), so there is nothing to tune. The Gluon kernels' int arguments are left to
 # Triton's specialization (== 1, % 16), a few compiled variants per kernel: unspecialized, the dense causal forward
-# ran slower through the kernel cache than launched directly (benchmarks/results/README.md, 2026-12-06). Launched
-# through the runtime's kernel cache: compiled once per key and device, thread-safe, precompiled, recorded and
-# shipped like the Triton kernels.
+# ran slower through the kernel cache than launched directly (benchmarks/results/README.md, the Gluon forwards'
+# entries). Launched through the runtime's kernel cache: compiled once per key and device, thread-safe,
+# precompiled, recorded and shipped like the Triton kernels.
 GLUON_CONFIGS = [Config(num_warps=4, num_stages=1, maxnreg=MAXNREG)]
 attention_fwd_gluon_kernel = TritonKernel(_attention_fwd_ws_kernel, name="block_sparse_attn_fwd_gluon_sm90",
                                           configs=GLUON_CONFIGS)
