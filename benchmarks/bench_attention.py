@@ -1,4 +1,7 @@
-"""Block-sparse attention on the DFlash training mask: dflash_kernels against torch.compile(flex_attention).
+"""Block-sparse attention on the DFlash training mask: dflash_kernels against torch.compile(flex_attention),
+dense causal SDPA, FlashAttention-4 and flex's FLASH backend, each implementation in a process of its own
+(``--child NAME`` prints its rows; the parent collects them, so one implementation's compile caches, allocator
+state or CUDA fault never touch another's timings).
 
 Effective FLOPs count only visible (query, key) pairs: a forward is two matmuls (QK^T and PV) of
 2 * D flops per pair and head, so ``4 * D * Hq * pairs``; a backward is 2.5x that (five matmuls,
@@ -7,8 +10,13 @@ the recomputed QK^T included), so fwd+bwd = ``3.5 * 4 * D * Hq * pairs``. GPU ti
 one call. The mask build is timed on its own (``mask_ms``; flex's ``create_block_mask`` is timed once,
 uncompiled, as trainers rebuild it every step). Called by ``benchmarks/ops.py attention``.
 
-Two more peers, each in a process of its own (a CuteDSL fault, or the patch of torch's code
-generation that ``flex_flash`` applies, costs only that process's rows), on CUDA only:
+The implementations (``--impls``), on CUDA (on a CPU only ours runs, at a tiny shape, to check the job runs):
+
+- ``dflash_kernels``: ``block_sparse_attention`` with ``dflash_block_mask`` at every shape, then under
+  ``causal_block_mask`` on the dense causal shape (its dense case).
+- ``flex``: ``torch.compile(flex_attention)`` (Triton) with a ``create_block_mask`` mask of 128 x 128 blocks.
+- ``sdpa``: dense causal ``scaled_dot_product_attention`` through each fused backend torch offers: the
+  chip's attention ceiling, with the same effective-FLOP count.
 
 - ``fa4``: FlashAttention-4 (``flash_attn.cute.flash_attn_func``, flash-attn-4 4.0.0b36) with FA4's
   block-sparse tensors (from ``create_block_mask`` at 128 x 128 blocks, the size FA4's Hopper
@@ -104,11 +112,11 @@ def _ours_label(q, k, v, mask) -> dict:
     return {"impl": impl, "forward": path}
 
 
-def _bench_shape(s, device, dtype, quick, with_flex):
+def _bench_ours(s, device, dtype, quick) -> dict:
+    """Our row at shape ``s``: the mask build, forward and forward + backward (tuned and compiled first)."""
     from dflash_kernels.ops.attention import block_sparse_attention, dflash_block_mask
 
-    B, S, N, Hq, D, W = s["B"], s["S"], s["N"], s["Hq"], s["D"], s["window"]
-    Tq, Tk = N * BLOCK, S + N * BLOCK
+    S, Hq, D, W = s["S"], s["Hq"], s["D"], s["window"]
     anchors, q, k, v, do, mask, pairs = _shape_inputs(s, device, dtype)
     flops = 4 * D * Hq * pairs
     base = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs}
@@ -129,11 +137,18 @@ def _bench_shape(s, device, dtype, quick, with_flex):
         _measure(ours, fwd, fwd_bwd, flops, quick, device)
     except Exception as e:  # noqa: BLE001 - report, keep the run going
         ours["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows = [ours]
-    if not with_flex:
-        return rows
+    return ours
 
-    flex_row = {**base, "impl": "flex (torch.compile)"}
+
+def _bench_flex(s, device, dtype, quick) -> dict:
+    """``torch.compile(flex_attention)``'s row at shape ``s`` (the inputs ours takes): ``create_block_mask``
+    once, uncompiled, then forward and forward + backward."""
+    B, S, N, Hq, D, W = s["B"], s["S"], s["N"], s["Hq"], s["D"], s["window"]
+    Tq, Tk = N * BLOCK, S + N * BLOCK
+    anchors, q, k, v, do, _mask, pairs = _shape_inputs(s, device, dtype)
+    flops = 4 * D * Hq * pairs
+    flex_row = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs,
+                "impl": "flex (torch.compile)"}
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         flex = torch.compile(flex_attention)
@@ -156,19 +171,15 @@ def _bench_shape(s, device, dtype, quick, with_flex):
         flex_fwd_bwd()
         flex_row["compile_s"] = time.perf_counter() - t0
         _measure(flex_row, flex_fwd, flex_fwd_bwd, flops, quick, device)
-        if "fwd_ms" in ours:
-            ours["fwd_speedup_vs_flex"] = flex_row["fwd_ms"] / ours["fwd_ms"]
-            ours["fwdbwd_speedup_vs_flex"] = flex_row["fwdbwd_ms"] / ours["fwdbwd_ms"]
     except Exception as e:  # noqa: BLE001
         flex_row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    rows.append(flex_row)
-    return rows
+    return flex_row
 
 
 # ------------------------------------------------------------------------------ FA4 and flex FLASH
 # FlashAttention-4 and flex's FLASH backend (which calls FA4): each in a process of its own.
 PEER_IMPLS = ("fa4", "flex_flash")
-PEER_TIMEOUT_S = 540  # per process: CuteDSL compiles a forward and a backward per shape
+PEER_TIMEOUT_S = 540  # per process: CuteDSL compiles a forward and a backward per shape; ours tunes each
 FA4_BLOCK = (128, 128)  # FA4's Hopper block-sparse backward takes (128, 128) BlockMask blocks
 # Relative Frobenius error against block_sparse_attention above which a peer is not timed (bf16
 # inputs: both sides round P and O to bf16, so a correct peer sits near 1e-2 or below).
@@ -287,7 +298,7 @@ def _rel_err(x, ref) -> float:
 
 
 def _peer_setup(impl, s, device, dtype):
-    """Inputs of shape ``s`` (as :func:`_bench_shape` makes them), our output and gradients for the
+    """Inputs of shape ``s`` (as :func:`_shape_inputs` makes them), our output and gradients for the
     check, and the peer's call ``attn(q, k, v) -> o [B, Tq, Hq, D]``; ``extra`` goes into the row."""
     from dflash_kernels.ops.attention import block_sparse_attention
     from torch.nn.attention.flex_attention import create_block_mask
@@ -393,7 +404,7 @@ def peer_child(impl: str, quick: bool) -> None:
     if impl not in PEER_IMPLS:
         raise SystemExit(f"unknown attention peer {impl!r}; one of {PEER_IMPLS}")
     cuda = torch.cuda.is_available()
-    shapes = (SHAPES[:1] if quick else SHAPES) if cuda else [CPU_SHAPE]
+    shapes = _shapes_and_dtype(cuda, quick)[0]
     why = None if cuda else "needs a CUDA GPU (FA4's kernels are CuteDSL for sm_90 / sm_100)"
     if why is None:
         err = _fa4_import_error()
@@ -413,24 +424,28 @@ def peer_child(impl: str, quick: bool) -> None:
         print("ROW " + json.dumps(row), flush=True)
 
 
-def _run_peer(impl: str, quick: bool, timeout_s: float) -> list:
-    """``peer_child(impl)`` in a fresh process: its rows, or a row saying how the process ended."""
+def _run_child(impl: str, quick: bool, timeout_s: float) -> list:
+    """``child(impl)`` in a fresh process: its rows, or a row saying how the process ended."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl] + (["--quick"] if quick else [])
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.setdefault("DFLASH_KERNELS_TUNE", "0")  # our op only gives the reference there: no tuning time
+    if impl in PEER_IMPLS:
+        env.setdefault("DFLASH_KERNELS_TUNE", "0")  # our op only gives the reference there: no tuning time
     return run_rows(cmd, "attention", impl, timeout_s, env)
 
 
-def _peer_ratios(rows: list) -> None:
-    """Ours over each peer of the same shape and run: ``fwd_speedup_vs_<impl>``, ``fwdbwd_speedup_vs_<impl>``."""
-    ours = {r["shape"]: r for r in rows if r.get("impl") == "dflash_kernels" and "fwd_ms" in r}
+def _ratios(rows: list) -> None:
+    """Ours over every other implementation of the same shape and run (each row's ``process``):
+    ``fwd_speedup_vs_<name>``, ``fwdbwd_speedup_vs_<name>``, the name the process's (``flex``, ``fa4``,
+    ``flex_flash``), or for SDPA its backend's (``sdpa_cudnn_attention``)."""
+    ours = {r["shape"]: r for r in rows if r.get("process") == "dflash_kernels" and "fwd_ms" in r}
     for r in rows:
         o = ours.get(r.get("shape"))
-        if o is None or r.get("impl") not in PEER_IMPLS:
+        if o is None or r is o or r.get("process") in (None, "dflash_kernels"):
             continue
+        name = r["impl"].replace(" ", "_") if r["process"] == "sdpa" else r["process"]
         for key in ("fwd", "fwdbwd"):
             if f"{key}_ms" in r and f"{key}_ms" in o:
-                o[f"{key}_speedup_vs_{r['impl']}"] = r[f"{key}_ms"] / o[f"{key}_ms"]
+                o[f"{key}_speedup_vs_{name}"] = r[f"{key}_ms"] / o[f"{key}_ms"]
 
 
 # The chip's attention ceiling in the same run: dense causal SDPA at 8k x 8k, 32 heads.
@@ -499,46 +514,58 @@ def _bench_dense_causal(device, dtype, quick, with_ours=False, with_sdpa=True) -
 ALL_IMPLS = ("dflash_kernels", "flex", "sdpa") + PEER_IMPLS
 
 
+def _shapes_and_dtype(cuda: bool, quick: bool):
+    return ((SHAPES[:1] if quick else SHAPES), torch.bfloat16) if cuda else ([CPU_SHAPE], torch.float32)
+
+
+def child(impl: str, quick: bool) -> None:
+    """Rows of one implementation (``ALL_IMPLS``) on stdout as ``ROW {json}``, run in its own process by
+    ``run``; ``flex`` and ``sdpa`` give a ``skipped`` row without a GPU."""
+    if impl in PEER_IMPLS:
+        peer_child(impl, quick)
+        return
+    if impl not in ALL_IMPLS:
+        raise SystemExit(f"unknown attention implementation {impl!r}; one of {ALL_IMPLS}")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    shapes, dtype = _shapes_and_dtype(cuda, quick)
+    if impl != "dflash_kernels" and not cuda:
+        print("ROW " + json.dumps({"op": "attention", "impl": impl, "skipped": "needs a CUDA GPU"}), flush=True)
+        return
+    rows = []
+    if impl == "sdpa":
+        rows = _bench_dense_causal(device, dtype, quick, with_ours=False, with_sdpa=True)
+    for s in shapes if impl != "sdpa" else []:
+        print(f"  attention {impl} {_shape_name(s)} ...", flush=True)
+        row = (_bench_ours if impl == "dflash_kernels" else _bench_flex)(s, device, dtype, quick)
+        print("ROW " + json.dumps(row), flush=True)  # as soon as measured: a run cut short keeps its rows
+        if cuda:
+            torch.cuda.empty_cache()
+    if impl == "dflash_kernels" and cuda:  # the dense causal case of the op, beside SDPA's rows
+        rows = _bench_dense_causal(device, dtype, quick, with_ours=True, with_sdpa=False)
+    for r in rows:
+        print("ROW " + json.dumps(r), flush=True)
+
+
 def run(device, quick: bool, impls=None, peer_timeout_s: float = PEER_TIMEOUT_S) -> list:
-    """Rows for ``benchmarks/ops.py attention``: ours and flex per shape (flex on CUDA only), the dense
-    SDPA rows, then FA4 and flex's FLASH backend, each in a process of its own (CUDA only). ``impls``:
-    a subset of ``ALL_IMPLS`` (default all); a peer's check runs our op in its own process either way."""
+    """Rows for ``benchmarks/ops.py attention``: each implementation of ``impls`` (a subset of ``ALL_IMPLS``,
+    default all) in a process of its own, in that order (without a GPU: ours only), then ours over each of
+    the others at the same shape (``_ratios``). ``device`` says whether a GPU is to be used."""
     device = torch.device(device)
     impls = set(ALL_IMPLS if not impls else impls)
     unknown = impls - set(ALL_IMPLS)
     if unknown:
         raise SystemExit(f"unknown attention implementation(s) {sorted(unknown)}; of {ALL_IMPLS}")
-    if device.type == "cuda":
-        shapes, dtype = (SHAPES[:1] if quick else SHAPES), torch.bfloat16
-    else:
-        shapes, dtype = [CPU_SHAPE], torch.float32
     rows = []
-    if "dflash_kernels" in impls or "flex" in impls:
-        for s in shapes:
-            new = _bench_shape(s, device, dtype, quick, with_flex=device.type == "cuda" and "flex" in impls)
-            if "dflash_kernels" not in impls:
-                new = [r for r in new if not r["impl"].startswith("dflash_kernels")]
-            for r in new:  # as soon as measured: a run cut short by a time limit keeps its rows in the log
-                print("ROW", json.dumps(r), flush=True)
-            rows += new
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    if device.type == "cuda" and ("sdpa" in impls or "dflash_kernels" in impls):
-        for r in _bench_dense_causal(device, dtype, quick, "dflash_kernels" in impls, "sdpa" in impls):
-            print("ROW", json.dumps(r), flush=True)
-            rows.append(r)
-    for impl in PEER_IMPLS:
+    for impl in ALL_IMPLS:
         if impl not in impls:
             continue
-        if device.type != "cuda":  # said once, not run: FA4 is CuteDSL for Hopper / Blackwell
+        if device.type != "cuda" and impl != "dflash_kernels":  # said once, not run: they need a GPU
             print(f"  attention {impl}: skipped (needs a CUDA GPU)", flush=True)
             continue
         print(f"attention: {impl} (a process of its own, {peer_timeout_s:.0f} s limit)", flush=True)
-        new = _run_peer(impl, quick, peer_timeout_s)
-        for r in new:
-            print("ROW", json.dumps(r), flush=True)
-        rows += new
-    _peer_ratios(rows)
+        rows += _run_child(impl, quick, peer_timeout_s)
+    _ratios(rows)
     return rows
 
 
@@ -547,11 +574,11 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="the first shape only, fewer repetitions")
     parser.add_argument("--impls", default="", help=f"comma-separated subset of {', '.join(ALL_IMPLS)} (default all)")
     parser.add_argument("--timeout", type=float, default=PEER_TIMEOUT_S,
-                        help="seconds each peer process (fa4, flex_flash) may run")
-    parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # one peer's rows on stdout
+                        help="seconds each implementation's process may run")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)  # one implementation's rows on stdout
     args = parser.parse_args(argv)
     if args.child:
-        peer_child(args.child, args.quick)
+        child(args.child, args.quick)
         return
     impls = [i for i in args.impls.split(",") if i] or None
     for r in run("cuda" if torch.cuda.is_available() else "cpu", args.quick, impls, args.timeout):
