@@ -532,18 +532,18 @@ def child(impl: str, quick: bool) -> None:
     if impl != "dflash_kernels" and not cuda:
         print("ROW " + json.dumps({"op": "attention", "impl": impl, "skipped": "needs a CUDA GPU"}), flush=True)
         return
-    rows = []
     if impl == "sdpa":
-        rows = _bench_dense_causal(device, dtype, quick, with_ours=False, with_sdpa=True)
-    for s in shapes if impl != "sdpa" else []:
-        print(f"  attention {impl} {_shape_name(s)} ...", flush=True)
-        row = (_bench_ours if impl == "dflash_kernels" else _bench_flex)(s, device, dtype, quick)
-        print("ROW " + json.dumps(row), flush=True)  # as soon as measured: a run cut short keeps its rows
-        if cuda:
-            torch.cuda.empty_cache()
-    if impl == "dflash_kernels" and cuda:  # the dense causal case of the op, beside SDPA's rows
-        rows = _bench_dense_causal(device, dtype, quick, with_ours=True, with_sdpa=False)
-    for r in rows:
+        dense = _bench_dense_causal(device, dtype, quick, with_ours=False, with_sdpa=True)
+    else:
+        bench = _bench_ours if impl == "dflash_kernels" else _bench_flex
+        for s in shapes:
+            print(f"  attention {impl} {_shape_name(s)} ...", flush=True)
+            print("ROW " + json.dumps(bench(s, device, dtype, quick)), flush=True)  # a run cut short keeps it
+            if cuda:
+                torch.cuda.empty_cache()
+        # ours: the dense causal case of the op too, beside SDPA's rows
+        dense = _bench_dense_causal(device, dtype, quick, True, False) if impl == "dflash_kernels" and cuda else []
+    for r in dense:
         print("ROW " + json.dumps(r), flush=True)
 
 
