@@ -287,11 +287,8 @@ def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR, run: s
     with open(cache_file) as f:
         table = json.load(f)
 
-    def current(entry):  # False: timed on (or, for a "compile|" signature, recorded from) an older kernel source
-        if entry.startswith(RUN_PREFIX):
-            return True
-        name, _, rest = entry.removeprefix(SIGNATURE_PREFIX).partition("|")
-        return name not in kernels or kernels[name] == rest.partition("|")[0]
+    def current(entry):
+        return _current_entry(entry, kernels)
 
     kept = {entry: value for entry, value in table.items() if current(entry)}
     dropped = len(table) - len(kept)
@@ -314,6 +311,38 @@ def ship(cache_file: str, kernels=None, packaged_dir: str = PACKAGED_DIR, run: s
         json.dump(old, f, indent=1, sort_keys=True)
         f.write("\n")
     return path, len(kept), dropped
+
+
+def _current_entry(entry: str, kernels: dict) -> bool:
+    """False for an entry timed on (or, for a ``compile|`` signature, recorded from) an older source of its kernel
+    (``kernels``: ``{name: source hash}``); True for the rest (other names: implementation choices, run records)."""
+    if entry.startswith(RUN_PREFIX):
+        return True
+    name, _, rest = entry.removeprefix(SIGNATURE_PREFIX).partition("|")
+    return name not in kernels or kernels[name] == rest.partition("|")[0]
+
+
+def prune(kernels=None, packaged_dir: str = PACKAGED_DIR) -> list:
+    """Remove from every shipped tuning file (``packaged_dir``) the entries of kernels edited since they were
+    timed or recorded (``kernels``: ``{name: source hash}``, default: the ops' kernels now), which no lookup can
+    find again: what a contributor runs after editing a kernel, before the next ``ship`` re-times it on a GPU.
+    Returns ``[(path, entries kept, entries removed)]`` per file; a file with nothing to remove is not rewritten."""
+    if kernels is None:
+        kernels = current_kernel_hashes()
+    report = []
+    for name in sorted(os.listdir(packaged_dir)):
+        if not (name.startswith("tuning-") and name.endswith(".json")):
+            continue
+        path = os.path.join(packaged_dir, name)
+        with open(path) as f:
+            table = json.load(f)
+        kept = {entry: value for entry, value in table.items() if _current_entry(entry, kernels)}
+        if len(kept) < len(table):
+            with open(path, "w") as f:
+                json.dump(kept, f, indent=1, sort_keys=True)
+                f.write("\n")
+        report.append((path, len(kept), len(table) - len(kept)))
+    return report
 
 
 def current_kernel_hashes() -> dict:
@@ -340,9 +369,13 @@ def current_kernel_hashes() -> dict:
 
 
 if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) not in (3, 5) or sys.argv[1] != "ship" or (len(sys.argv) == 5 and sys.argv[3] != "--run"):
-        raise SystemExit("usage: python -m dflash_kernels.runtime.tuning ship CACHE_FILE [--run 'COMMAND ON GPU']")
-    where, n_kept, n_dropped = ship(sys.argv[2], run=sys.argv[4] if len(sys.argv) == 5 else None)
-    print(f"{where}: {n_kept} entries merged, {n_dropped} of edited kernels left out")
+    usage = ("usage: python -m dflash_kernels.runtime.tuning ship CACHE_FILE [--run 'COMMAND ON GPU']\n"
+             "       python -m dflash_kernels.runtime.tuning prune   (the shipped files' entries of edited kernels)")
+    if sys.argv[1:] == ["prune"]:
+        for where, n_kept, n_removed in prune():
+            print(f"{where}: {n_removed} entries of edited kernels removed, {n_kept} kept")
+    elif len(sys.argv) in (3, 5) and sys.argv[1] == "ship" and (len(sys.argv) == 3 or sys.argv[3] == "--run"):
+        where, n_kept, n_dropped = ship(sys.argv[2], run=sys.argv[4] if len(sys.argv) == 5 else None)
+        print(f"{where}: {n_kept} entries merged, {n_dropped} of edited kernels left out")
+    else:
+        raise SystemExit(usage)

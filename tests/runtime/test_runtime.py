@@ -519,6 +519,28 @@ def _shipped_files():
     return ours
 
 
+def test_prune_removes_the_shipped_entries_of_edited_kernels(tmp_path):
+    shipped = tmp_path / "tuned"
+    shipped.mkdir()
+    table = {"fwd|aaaa|(64,)": {"config": {"BT": 64}, "ms": 1.0},  # timed on fwd's old source
+             "compile|fwd|aaaa|(64,)": {"args": []},  # recorded from it
+             "fwd|bbbb|(128,)": {"config": {"BT": 32}, "ms": 1.0},  # fwd's source now
+             "bwd|cccc|(64,)": {"config": {"BT": 16}, "ms": 1.0},  # bwd, unedited
+             "impl_choice|v2|('fwd', 1)": {"impl": "triton", "ms": {}},  # not a kernel: kept
+             "run|2026-01-01T00:00:00+00:00": {"run": "a GPU run"}}
+    (shipped / "tuning-GPU_X-triton9.json").write_text(json.dumps(table))
+    untouched = {"fwd|bbbb|(64,)": {"config": {"BT": 64}, "ms": 1.0}}
+    (shipped / "tuning-GPU_Y-triton9.json").write_text(json.dumps(untouched))
+    (shipped / "README.md").write_text("not a tuning file")
+    report = tuning.prune(kernels={"fwd": "bbbb", "bwd": "cccc"}, packaged_dir=str(shipped))
+    assert [(os.path.basename(p), kept, removed) for p, kept, removed in report] == [
+        ("tuning-GPU_X-triton9.json", 4, 2), ("tuning-GPU_Y-triton9.json", 1, 0)]
+    assert set(json.load(open(shipped / "tuning-GPU_X-triton9.json"))) == {
+        "fwd|bbbb|(128,)", "bwd|cccc|(64,)", "impl_choice|v2|('fwd', 1)", "run|2026-01-01T00:00:00+00:00"}
+    assert json.load(open(shipped / "tuning-GPU_Y-triton9.json")) == untouched
+    assert (shipped / "README.md").read_text() == "not a tuning file"
+
+
 def test_every_shipped_tuning_entry_is_found_by_the_current_kernels():
     """Each entry of the shipped files is one the runtime looks up for today's kernels: an entry timed on an
     older source of its kernel (never found, so the kernel is timed again on a user's GPU) fails here. Remove
