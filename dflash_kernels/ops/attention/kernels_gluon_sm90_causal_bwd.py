@@ -92,12 +92,28 @@ _ROWS: gl.constexpr = gl.constexpr(ROWS)
 
 
 @gluon.jit
-def _dkdv_program(NBH, Hkv, KROWS: gl.constexpr):
-    """The dk / dv program's batch, kv head and first key: key tile ``pid // NBH`` of (batch, kv head)
-    ``pid % NBH``."""
-    pid = gl.program_id(0)
-    pid_bh = pid % NBH
-    return pid_bh // Hkv, pid_bh % Hkv, (pid // NBH) * (2 * KROWS)
+def _stash_coords(buf, b, hk, n0):
+    """Store the program's batch, kv head and first key into the shared int32 ``buf`` [4] (every thread the
+    same values: no barrier needed beyond the one that starts the partitions)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, 4, layout)
+    buf.store(gl.where(i == 0, b, gl.where(i == 1, hk, n0)))
+
+
+@gluon.jit
+def _load_coords(buf):
+    """The batch, kv head and first key ``_stash_coords`` stored (all non-negative)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    i = gl.arange(0, 4, layout)
+    x = buf.load(layout)
+    return gl.max(gl.where(i == 0, x, -1), 0), gl.max(gl.where(i == 1, x, -1), 0), gl.max(gl.where(i == 2, x, -1), 0)
+
+
+@gluon.jit
+def _wide(x):
+    """The non-negative int32 ``x`` as int64 by zero extension: its high word is the constant 0, where a sign
+    extension of a kernel argument is a register that the producer's 24 kept alive across its loop (a spill)."""
+    return x.to(gl.uint32).to(gl.int64)
 
 
 @gluon.jit
@@ -109,7 +125,7 @@ def _bad_rows(q_ptr, do_ptr, b, h, m, Tq, Hq, R: gl.constexpr, D: gl.constexpr, 
     bad = gl.zeros([R], gl.int32, row_layout)
     for rr in range(R):
         t = m + rr
-        off = ((b.to(gl.int64) * Tq + t) * Hq + h) * D
+        off = ((_wide(b) * _wide(Tq) + t) * _wide(Hq) + h) * D
         live = d < gl.where(t < Tq, D, 0)
         xq = gl.load((q_ptr + off) + d, mask=live, other=0.0).to(gl.float32)
         xd = gl.load((do_ptr + off) + d, mask=live, other=0.0).to(gl.float32)
@@ -144,7 +160,7 @@ def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_ptr, do_ptr, lse_pt
         h = hk * G + i % G
         m = n0 + qt * R
         ok = r < Tq - m
-        row = (b.to(gl.int64) * Hq + h) * Tq + m  # a scalar: 32-bit vector offsets (few registers)
+        row = _wide(b * Hq + h) * _wide(Tq) + m  # a scalar: 32-bit vector offsets (few registers)
         # Row terms before the stage wait (their latency overlaps it). lse -inf (rows past Tq) gives -inf:
         # P = 0 exactly there.
         lse = gl.load(lse_ptr + row + r, mask=ok, other=float("-inf"))
@@ -187,32 +203,36 @@ def _causal_dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, shift, D
                       s_layout: gl.constexpr, o_layout: gl.constexpr):
     """One item: dV += P^T dO and dK += dS^T Q in place. The two score-side MMAs start from the row terms of
     the stage's row buffer broadcast over the keys (no registers held for them beside the accumulators) and
-    are issued together, P^T computed while dP^T runs. ``DIAGONAL``: P^T and dS^T are selected to 0 where key >
-    query, ``shift`` the item's first row minus the consumer's first key (0 on the diagonal: a runtime value, so
-    that the mask is not hoisted out of the item loop and held in registers across it)."""
+    are issued together, P^T computed while dP^T runs.
+
+    ``DIAGONAL``: the causal mask goes into those initial accumulators, where key > query, by selects: -inf
+    for S^T (P^T = exp2(-inf) = 0) and 0 for dP^T, so that P^T and dS^T are exactly 0 there without a select
+    after the MMAs (where the registers are busiest). What a product can still bring there is non-finite only
+    through the key's own K or V (its own dk, dv) or a non-finite q / do element (zeroed by the producer:
+    module docstring), and a NaN row term (the producer's mark of such a row) is replaced too. ``shift`` is the
+    item's first row minus the consumer's first key (0 on the diagonal: a runtime value, so that the mask is
+    not hoisted out of the item loop and held in registers across it)."""
     KROWS: gl.constexpr = kt.shape[0]
     R: gl.constexpr = q.shape[0]
     dtype: gl.constexpr = q.dtype
     row_vec: gl.constexpr = gl.SliceLayout(0, s_layout)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     nlse = gl.zeros([KROWS, R], gl.float32, s_layout) + gl.expand_dims(rows_buf.index(2 * stage).load(row_vec), 0)
+    if DIAGONAL:
+        keys = gl.arange(0, KROWS, gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, R, row_vec) + shift
+        seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0)
+        nlse = gl.where(seen, nlse, float("-inf"))
     st = warpgroup_mma(kt, q.permute((1, 0)), nlse, is_async=True)
     ndlt = gl.zeros([KROWS, R], gl.float32, s_layout) + \
         gl.expand_dims(rows_buf.index(2 * stage + 1).load(row_vec), 0)
+    if DIAGONAL:
+        ndlt = gl.where(seen, ndlt, 0.0)
     dpt = warpgroup_mma(vt, do.permute((1, 0)), ndlt, is_async=True)
     st = warpgroup_mma_wait(1, deps=(st, ))  # in order: one outstanding means S^T is done
     pt = gl.exp2(st * qk_scale)
     dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-    if DIAGONAL:
-        # Selects, not products: 0 also where the key's K or V or the row's terms are not finite. The mask is
-        # made after the wait so that it is not held across it.
-        keys = gl.arange(0, KROWS, gl.SliceLayout(1, s_layout))
-        cols = gl.arange(0, R, row_vec)
-        seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols + shift, 0)
-        pt = gl.where(seen, pt, 0.0)
-        dst = gl.where(seen, pt * dpt, 0.0)
-    else:
-        dst = pt * dpt
+    dst = pt * dpt
     p_op = gl.convert_layout(pt.to(dtype), op_layout)
     ds_op = gl.convert_layout(dst.to(dtype), op_layout)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -223,7 +243,7 @@ def _causal_dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, shift, D
 
 @gluon.jit
 def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
-                          n_items, Tk, Hkv, NBH, qk_scale, sm_scale, WG: gl.constexpr, G: gl.constexpr,
+                          coords, n_items, Tk, Hkv, qk_scale, sm_scale, WG: gl.constexpr, G: gl.constexpr,
                           NUM_STAGES: gl.constexpr):
     """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program."""
     R: gl.constexpr = q_smem.shape[2]
@@ -252,8 +272,8 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
                                        o_layout)
         mbarrier.arrive(empty.index(stage))
     # Every MMA that read this consumer's K / V boxes has completed: they stage the stores. The program's
-    # coordinates are recomputed here rather than held in registers across the loop (they spilled).
-    b, hk, n0 = _dkdv_program(NBH, Hkv, KROWS)
+    # coordinates come from shared memory: held in registers across the loop, they spilled to local memory.
+    b, hk, n0 = _load_coords(coords)
     first = n0 + WG * KROWS
     _dkdv_store(dk * sm_scale, k_smem.index(WG), dk_ptr, b, hk, first, Tk, Hkv, D)
     _dkdv_store(dv, v_smem.index(WG), dv_ptr, b, hk, first, Tk, Hkv, D)
@@ -273,7 +293,11 @@ def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, q_ptr, do_p
     gl.static_assert(KROWS == 64, "a consumer warpgroup owns 64 keys")
     gl.static_assert(R == KROWS, "query tiles as tall as a consumer's key block: one diagonal item each")
 
-    b, hk, n0 = _dkdv_program(NBH, Hkv, KROWS)
+    pid = gl.program_id(0)
+    pid_bh = pid % NBH
+    b = pid_bh // Hkv
+    hk = pid_bh % Hkv
+    n0 = (pid // NBH) * (2 * KROWS)
     # Query tiles [n0, Tq) of 64 rows, times the G heads; none when the tile starts at or past Tq.
     n_items = gl.where(Tq > n0, gl.cdiv(Tq - n0, R), 0) * G
 
@@ -283,6 +307,8 @@ def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, q_ptr, do_p
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
     row_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, R],
                                          gl.SwizzledSharedLayout(1, 1, 1, order=[0]))  # per-row-vector layout
+    coords = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    _stash_coords(coords, b, hk, n0)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     landed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -297,9 +323,9 @@ def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, q_ptr, do_p
 
     gl.warp_specialize([
         (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
-                                 n_items, Tk, Hkv, NBH, qk_scale, sm_scale, 0, G, NUM_STAGES)),
+                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 0, G, NUM_STAGES)),
         (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
-                                 n_items, Tk, Hkv, NBH, qk_scale, sm_scale, 1, G, NUM_STAGES)),
+                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 1, G, NUM_STAGES)),
         (_causal_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_ptr, do_ptr, lse_ptr, delta_ptr, q_smem,
                                  do_smem, k_smem, v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0,
                                  n_items, Tq, Hq, sm_scale, G, NUM_STAGES)),
