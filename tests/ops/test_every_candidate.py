@@ -68,7 +68,9 @@ assert KERNELS, "no TritonKernel found in dflash_kernels/ops/*/kernels*.py"
 KNOWN = {
     "block_sparse_attn_fwd", "block_sparse_attn_bwd_dq", "block_sparse_attn_bwd_dkdv", "block_sparse_attn_bwd_pre",
     "block_sparse_attn_fwd_gluon_sm90", "block_sparse_attn_fwd_gluon_sm90_dflash",
-    "block_sparse_attn_bwd_gluon_sm90_dq", "block_sparse_attn_bwd_gluon_sm90_dkdv", "mask_rev_count", "mask_rev_fill",
+    "block_sparse_attn_bwd_gluon_sm90_dq", "block_sparse_attn_bwd_gluon_sm90_dkdv",
+    "block_sparse_attn_bwd_gluon_sm90_causal_dq", "block_sparse_attn_bwd_gluon_sm90_causal_dkdv", "mask_rev_count",
+    "mask_rev_fill",
     "causal_conv1d_fwd", "causal_conv1d_bwd", "causal_conv1d_update",
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
@@ -138,7 +140,8 @@ def _attention_gluon_dflash(size, dtype):
 
 
 def _attention_gluon_causal(size, dtype):
-    """The Hopper dense forward through the op, for a causal_block_mask (Tq != Tk at the odd size)."""
+    """The Hopper dense forward and its backward through the op, for a causal_block_mask (Tq != Tk at the odd
+    size)."""
     from dflash_kernels.ops.attention import causal_block_mask
     from tests.ops.test_attention import check_against_reference, make_qkv
 
@@ -376,7 +379,8 @@ DRIVERS = {
     "block_sparse_attn_fwd_sm90": _attention_fwd_sm90,
     **{f"block_sparse_attn_{n}_gluon_sm90{s}": _attention_gluon_dflash
        for n, s in (("fwd", "_dflash"), ("bwd", "_dq"), ("bwd", "_dkdv"))},
-    "block_sparse_attn_fwd_gluon_sm90": _attention_gluon_causal,
+    **{f"block_sparse_attn_{n}_gluon_sm90{s}": _attention_gluon_causal
+       for n, s in (("fwd", ""), ("bwd", "_causal_dq"), ("bwd", "_causal_dkdv"))},
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
        + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},

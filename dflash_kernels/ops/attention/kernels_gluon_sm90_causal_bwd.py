@@ -79,7 +79,7 @@ from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import (KH, _dkd
                                                                         dkdv_config, dq_config)
 from dflash_kernels.runtime import TritonKernel, alloc, bucket, cdiv
 
-__all__ = ["attention_bwd_gluon_sm90_causal", "causal_bwd_supported"]
+__all__ = ["attention_bwd_gluon_sm90_causal"]
 
 _LOG2E: gl.constexpr = gl.constexpr(LOG2E)
 BN_KV = 2 * KH  # keys per dk / dv program: two consumer warpgroups of 64
@@ -472,13 +472,6 @@ def _attn_bwd_causal_dq_ws_kernel(q_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, k_d
 
 
 # ------------------------------------------------------------------------------------------------ launcher
-
-
-def causal_bwd_supported(q, k, v, o, do) -> bool:
-    """Whether the tensors suit the Gluon causal backward: every base address 16-byte aligned (TMA boxes of q,
-    do, k, v; o and do are read by the preprocess). The dtypes and head dims are those the causal forward's
-    dispatch takes (attention.py's ``choose_forward``)."""
-    return all(x.data_ptr() % 16 == 0 for x in (q, k, v, o, do))
 
 
 def attention_bwd_gluon_sm90_causal(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
