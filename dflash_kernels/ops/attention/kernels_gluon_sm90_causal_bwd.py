@@ -19,8 +19,9 @@ Per item and consumer (the DFlash kernel's products)::
 
 and ``dK *= scale`` at the end. Consumer ``w`` against query tile ``qt``: ``qt > w`` every key of its block
 lies left of every row's diagonal, no mask; ``qt == w`` the block is the tile's diagonal block, P^T and dS^T
-are selected to 0 where key > query; ``qt < w`` (consumer 1 against the first tile) no key is seen, the item
-only takes part in the barrier protocol. So each consumer masks one item per head. Rows past ``Tq`` read zeros
+are made exactly 0 where key > query (the mask goes into the score MMAs' initial accumulators); ``qt < w``
+(consumer 1 against the first tile) no key is seen, the item only takes part in the barrier protocol. So each
+consumer masks one item per head. Rows past ``Tq`` read zeros
 (TMA) and have lse -inf, so P^T = 0 there; keys past ``Tk`` read zeros and are not stored. Programs run key
 tile 0 first, heads fastest: the first key tiles have the most query tiles (the longest programs start first).
 
@@ -28,22 +29,27 @@ The producer warp TMA-loads K and V of the tile once (four 64-key boxes), then e
 (``[1, 64, D]`` of the ``[B, Tq, Hq * D]`` views) into a ring of ``NUM_STAGES`` stages, with the item's row
 terms (``-lse / scale`` and ``-delta``: the score MMAs' initial accumulators) in a per-stage row buffer.
 Barriers ``kv_bar``, ``ready``, ``empty`` and ``landed`` are the DFlash kernel's, with its counts and phases;
-there is no flag word (below).
+there is no flag word (below). The consumers read their program's coordinates for the epilogue's stores from
+a small shared buffer written before the partitions start: held in registers across the item loop, they
+spilled.
 
 Non-finite values stay with the rows and keys that meet them (the portable kernels' contract: kernels.py,
-tests/ops/test_nonfinite.py). A non-finite K or V row of key ``j``: only its own S^T / dP^T row is non-finite,
-and the masked items select P^T, dS^T of the rows that do not see it to 0 (a select, not a product), so it
-reaches dk / dv of key ``j`` only; the rows that see it (non-finite o, lse, delta) reach the keys they see,
-which they see anyway. A non-finite element of q or do *itself* (an upstream NaN) meets, in a diagonal item,
-the ``P^T = 0`` of the keys its row does not see inside the MMA (``0 * NaN``, Q and dO are the B operands).
-Such a row has a non-finite lse or delta (kernels_gluon_sm90_dflash_bwd.py's docstring says why), so the
-producer treats a diagonal item (``qt < 2``) with a live row whose lse or delta is not finite as *suspect*: it
-loads the boxes through ``landed``, zeroes their non-finite elements in place (``_zero_nonfinite``), finds the
-rows whose q or do row holds a non-finite element (plain loads, one row at a time) and sets both row terms of
-those rows to NaN before it announces the stage (a plain arrival). Those rows' P^T and dS^T are then NaN on
-every key and selected to 0 on the keys they do not see: exactly the keys they see get NaN, the others are
-computed from the zeroed, finite boxes. Unmasked items need nothing: every row sees every key of the block.
-A suspect item whose rows are finite (lse or delta non-finite through a key) is only zeroed for nothing.
+tests/ops/test_nonfinite.py). The diagonal items put the causal mask into the score MMAs' initial
+accumulators by selects (-inf for S^T, 0 for dP^T where key > query: ``_causal_dkdv_item``), so P^T and dS^T
+are exactly 0 where a row does not see a key whatever the row terms are, unless the product itself is not
+finite. A non-finite K or V row of key ``j`` makes only row ``j`` of S^T / dP^T non-finite: it reaches dk / dv
+of key ``j`` only; the rows that see it (non-finite o, lse, delta) reach the keys they see. A non-finite
+element of q or do *itself* (an upstream NaN) would meet, in a diagonal item, the ``P^T = 0`` of the keys its
+row does not see inside the MMAs (``0 * NaN``: Q and dO are the B operands). Such a row has a non-finite lse
+or delta (kernels_gluon_sm90_dflash_bwd.py's docstring says why), so the producer treats a diagonal item
+(``qt < 2``) with a live row whose lse or delta is not finite as *suspect*: it loads the boxes through
+``landed``, zeroes their non-finite elements in place (``_zero_nonfinite``) and sets both row terms of every
+row whose lse or delta is not finite to NaN before it announces the stage (a plain arrival). Those rows' P^T
+and dS^T are then NaN on exactly the keys they see (the selects keep the others at -inf / 0), and every other
+product reads finite boxes. The rows marked this way include those whose row terms are non-finite through a
+key they see; their NaN reaches only keys they see, which their non-finite o reaches anyway. Unmasked items
+need nothing: every row sees every key of the consumer's block. The common case pays a reduction per item in
+the producer.
 
 dq (``_attn_bwd_causal_dq_ws_kernel``): one program per (batch, query head, 128-row tile ``m0``), the
 forward's grid and order (the last row tiles, with the most keys, first); consumer ``w`` owns rows
@@ -117,31 +123,12 @@ def _wide(x):
 
 
 @gluon.jit
-def _bad_rows(q_ptr, do_ptr, b, h, m, Tq, Hq, R: gl.constexpr, D: gl.constexpr, row_layout: gl.constexpr):
-    """1 for each row ``m + r`` (r < R) of head ``h`` whose q or do row holds a non-finite element, else 0:
-    one row at a time (D / 32 elements a lane), for the producer's few registers; rows past Tq give 0."""
-    d = gl.arange(0, D, gl.BlockedLayout([D // 32], [32], [1], [0]))
-    r = gl.arange(0, R, row_layout)
-    bad = gl.zeros([R], gl.int32, row_layout)
-    for rr in range(R):
-        t = m + rr
-        off = ((_wide(b) * _wide(Tq) + t) * _wide(Hq) + h) * D
-        live = d < gl.where(t < Tq, D, 0)
-        xq = gl.load((q_ptr + off) + d, mask=live, other=0.0).to(gl.float32)
-        xd = gl.load((do_ptr + off) + d, mask=live, other=0.0).to(gl.float32)
-        fine = (gl.abs(xq) < float("inf")) & (gl.abs(xd) < float("inf"))  # NaN compares False
-        hit = gl.max(1 - fine.to(gl.int32), axis=0)
-        bad = gl.where(r == rr, hit, bad)
-    return bad
-
-
-@gluon.jit
-def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_ptr, do_ptr, lse_ptr, delta_ptr, q_smem, do_smem,
-                          k_smem, v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0, n_items, Tq, Hq,
-                          sm_scale, G: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem,
+                          row_smem, kv_bar, landed, ready, empty, b, hk, n0, n_items, Tq, Hq, sm_scale,
+                          G: gl.constexpr, NUM_STAGES: gl.constexpr):
     """K and V of the program's key tile, then Q, dO and the row terms of every item into the ring; a suspect
-    diagonal item's boxes with their non-finite elements zeroed and its bad rows' terms NaN (module
-    docstring)."""
+    diagonal item's boxes with their non-finite elements zeroed and the terms of its rows whose lse or delta is
+    not finite NaN (module docstring)."""
     R: gl.constexpr = q_desc.block_type.shape[1]
     D: gl.constexpr = q_desc.block_type.shape[2]
     KR: gl.constexpr = k_desc.block_type.shape[1]
@@ -173,16 +160,16 @@ def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, q_ptr, do_ptr, lse_pt
         q_stage = q_smem.index(stage)
         do_stage = do_smem.index(stage)
         if suspect:
-            # Rare: load, zero the non-finite elements in place and NaN the row terms of the rows that held
-            # them (before either consumer reads the stage), then announce the stage with a plain arrival.
+            # Rare: load, zero the non-finite elements in place and NaN the terms of the rows that are not
+            # fine (before either consumer reads the stage), then announce the stage with a plain arrival.
             mbarrier.expect(landed, nbytes)
             tma.async_copy_global_to_shared(q_desc, [b, m, h * D], landed, q_stage)
             tma.async_copy_global_to_shared(do_desc, [b, m, h * D], landed, do_stage)
             mbarrier.wait(landed, n_landed & 1)
             n_landed += 1
-            bad = _bad_rows(q_ptr, do_ptr, b, h, m, Tq, Hq, R, D, row_layout) != 0
             _zero_nonfinite(q_stage)
             _zero_nonfinite(do_stage)
+            bad = ok & ~fine
             row_smem.index(2 * stage).store(gl.where(bad, float("nan"), nlse))
             row_smem.index(2 * stage + 1).store(gl.where(bad, float("nan"), -dlt))
             fence_async_shared()  # the zeroing stores before the consumers' MMAs (async proxy) read the stage
@@ -280,8 +267,8 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
 
 
 @gluon.jit
-def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, q_ptr, do_ptr, dk_ptr, dv_ptr, lse_ptr,
-                                    delta_ptr, Tq, Tk, Hq, Hkv, NBH, qk_scale, sm_scale, G: gl.constexpr,
+def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta_ptr, Tq, Tk,
+                                    Hq, Hkv, NBH, qk_scale, sm_scale, G: gl.constexpr,
                                     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                     PRODUCER_REGS: gl.constexpr):
     """One program: the 128-key tile ``pid // NBH`` of (batch, kv head) ``pid % NBH`` (``NBH = B * Hkv``),
@@ -326,8 +313,8 @@ def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, q_ptr, do_p
                                  coords, n_items, Tk, Hkv, qk_scale, sm_scale, 0, G, NUM_STAGES)),
         (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
                                  coords, n_items, Tk, Hkv, qk_scale, sm_scale, 1, G, NUM_STAGES)),
-        (_causal_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, q_ptr, do_ptr, lse_ptr, delta_ptr, q_smem,
-                                 do_smem, k_smem, v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0,
+        (_causal_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem,
+                                 v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0,
                                  n_items, Tq, Hq, sm_scale, G, NUM_STAGES)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -522,7 +509,7 @@ def attention_bwd_gluon_sm90_causal(do: torch.Tensor, q: torch.Tensor, k: torch.
     cfg = dkdv_config(D)
     attention_bwd_gluon_causal_dkdv_kernel(
         (cdiv(Tk, BN_KV) * B * Hkv, ), descriptor(q, ROWS), descriptor(do, ROWS), descriptor(k, KH),
-        descriptor(v, KH), q, do, dk, dv, lse, delta, Tq, Tk, Hq, Hkv, B * Hkv, scale * LOG2E, scale,
+        descriptor(v, KH), dk, dv, lse, delta, Tq, Tk, Hq, Hkv, B * Hkv, scale * LOG2E, scale,
         bucket=buckets, G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     return dq, dk, dv
 
