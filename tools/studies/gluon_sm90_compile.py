@@ -168,7 +168,7 @@ def compile_gluon_causal_bwd(D: int, kernel: str, G: int = 4, dtype=None):
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "Tq": "i32", "Tk": "i32", "Hq": "i32", "Hkv": "i32",
                "NBH": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
         constexprs = {"G": G, "NUM_STAGES": cfg["NUM_STAGES"], "CONSUMER_REGS": G_.CONSUMER_REGS,
-                      "PRODUCER_REGS": G_.PRODUCER_REGS}
+                      "PRODUCER_REGS": G_.PRODUCER_REGS, "VARIANT": GC._debug_variant().get("VARIANT", 0)}
         aligned = ("dk_ptr", "dv_ptr", "lse_ptr", "delta_ptr")
     else:
         cfg = GC.dq_config(D)

@@ -187,7 +187,7 @@ def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q
 
 @gluon.jit
 def _causal_dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, shift, DIAGONAL: gl.constexpr,
-                      s_layout: gl.constexpr, o_layout: gl.constexpr):
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, POST: gl.constexpr = False):
     """One item: dV += P^T dO and dK += dS^T Q in place. The two score-side MMAs start from the row terms of
     the stage's row buffer broadcast over the keys (no registers held for them beside the accumulators) and
     are issued together, P^T computed while dP^T runs.
@@ -209,17 +209,23 @@ def _causal_dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, shift, D
         keys = gl.arange(0, KROWS, gl.SliceLayout(1, s_layout))
         cols = gl.arange(0, R, row_vec) + shift
         seen = gl.expand_dims(keys, 1) <= gl.expand_dims(cols, 0)
-        nlse = gl.where(seen, nlse, float("-inf"))
+        if not POST:
+            nlse = gl.where(seen, nlse, float("-inf"))
     st = warpgroup_mma(kt, q.permute((1, 0)), nlse, is_async=True)
     ndlt = gl.zeros([KROWS, R], gl.float32, s_layout) + \
         gl.expand_dims(rows_buf.index(2 * stage + 1).load(row_vec), 0)
     if DIAGONAL:
-        ndlt = gl.where(seen, ndlt, 0.0)
+        if not POST:
+            ndlt = gl.where(seen, ndlt, 0.0)
     dpt = warpgroup_mma(vt, do.permute((1, 0)), ndlt, is_async=True)
     st = warpgroup_mma_wait(1, deps=(st, ))  # in order: one outstanding means S^T is done
     pt = gl.exp2(st * qk_scale)
     dpt = warpgroup_mma_wait(0, deps=(dpt, ))
     dst = pt * dpt
+    if DIAGONAL:
+        if POST:  # debug variant (DFLASH_CAUSAL_BWD_VARIANT bit 1): the mask by selects after the MMAs
+            pt = gl.where(seen, pt, 0.0)
+            dst = gl.where(seen, dst, 0.0)
     p_op = gl.convert_layout(pt.to(dtype), op_layout)
     ds_op = gl.convert_layout(dst.to(dtype), op_layout)
     dv = warpgroup_mma(p_op, do, dv, is_async=True)
@@ -231,7 +237,7 @@ def _causal_dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, shift, D
 @gluon.jit
 def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
                           coords, n_items, Tk, Hkv, qk_scale, sm_scale, WG: gl.constexpr, G: gl.constexpr,
-                          NUM_STAGES: gl.constexpr):
+                          NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr = 0):
     """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program."""
     R: gl.constexpr = q_smem.shape[2]
     D: gl.constexpr = q_smem.shape[3]
@@ -251,12 +257,16 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         q = q_smem.index(stage).reshape([R, D])
         do = do_smem.index(stage).reshape([R, D])
         shift = (qt - WG) * R
+        # VARIANT (debug, DFLASH_CAUSAL_BWD_VARIANT): bit 1 the diagonal mask after the MMAs, bit 2 no
+        # off-diagonal items, bit 4 no diagonal items.
         if qt > WG:
-            dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, False, s_layout,
-                                       o_layout)
+            if (VARIANT & 2) == 0:
+                dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, False,
+                                           s_layout, o_layout)
         elif qt == WG:
-            dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, True, s_layout,
-                                       o_layout)
+            if (VARIANT & 4) == 0:
+                dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, True,
+                                           s_layout, o_layout, (VARIANT & 1) != 0)
         mbarrier.arrive(empty.index(stage))
     # Every MMA that read this consumer's K / V boxes has completed: they stage the stores. The program's
     # coordinates come from shared memory: held in registers across the loop, they spilled to local memory.
@@ -270,7 +280,7 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
 def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, lse_ptr, delta_ptr, Tq, Tk,
                                     Hq, Hkv, NBH, qk_scale, sm_scale, G: gl.constexpr,
                                     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                    PRODUCER_REGS: gl.constexpr):
+                                    PRODUCER_REGS: gl.constexpr, VARIANT: gl.constexpr = 0):
     """One program: the 128-key tile ``pid // NBH`` of (batch, kv head) ``pid % NBH`` (``NBH = B * Hkv``),
     key tiles ascending (the longest programs first), heads fastest."""
     R: gl.constexpr = q_desc.block_type.shape[1]
@@ -310,9 +320,9 @@ def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_
 
     gl.warp_specialize([
         (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
-                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 0, G, NUM_STAGES)),
+                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 0, G, NUM_STAGES, VARIANT)),
         (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
-                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 1, G, NUM_STAGES)),
+                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 1, G, NUM_STAGES, VARIANT)),
         (_causal_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem,
                                  v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0,
                                  n_items, Tq, Hq, sm_scale, G, NUM_STAGES)),
@@ -510,8 +520,18 @@ def attention_bwd_gluon_sm90_causal(do: torch.Tensor, q: torch.Tensor, k: torch.
     attention_bwd_gluon_causal_dkdv_kernel(
         (cdiv(Tk, BN_KV) * B * Hkv, ), descriptor(q, ROWS), descriptor(do, ROWS), descriptor(k, KH),
         descriptor(v, KH), dk, dv, lse, delta, Tq, Tk, Hq, Hkv, B * Hkv, scale * LOG2E, scale,
-        bucket=buckets, G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
+        bucket=buckets, G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
+        **_debug_variant())
     return dq, dk, dv
+
+
+def _debug_variant() -> dict:
+    """Branch-only debugging: ``DFLASH_CAUSAL_BWD_VARIANT`` (an int, bits of the dk / dv kernel's VARIANT) when
+    set and non-zero, else nothing (the kernel's default 0)."""
+    import os
+
+    v = int(os.environ.get("DFLASH_CAUSAL_BWD_VARIANT", "0") or 0)
+    return {"VARIANT": v} if v else {}
 
 
 # Launched through the runtime's kernel cache with the forwards' one launch config (kernels_gluon_sm90.py).
