@@ -106,13 +106,17 @@ def _pattern(name, got, ref):
 
     got, ref = got.float(), ref.float()
     Tk = got.shape[1]
-    out = []
+    out, errs = [], []
     for n in range(0, Tk, 64):
         g, r = got[:, n:n + 64], ref[:, n:n + 64]
         rn = r.norm().item()
         c = ((g * r).sum() / (r * r).sum().clamp_min(1e-30)).item()
-        out.append(f"    {name} keys [{n:4d},{min(n + 64, Tk):4d}): err {_rel(g, r):8.2e}  |got|/|ref| "
+        errs.append(_rel(g, r))
+        out.append(f"    {name} keys [{n:4d},{min(n + 64, Tk):4d}): err {errs[-1]:8.2e}  |got|/|ref| "
                    f"{g.norm().item() / max(rn, 1e-30):7.3f}  c {c:7.3f}  |ref| {rn:9.3e}")
+    if len(out) > 4:  # the first two blocks and the two worst others
+        worst = sorted(range(2, len(out)), key=lambda i: -errs[i])[:2]
+        out = out[:2] + [out[i] + " (worst)" for i in sorted(worst)]
     # per key row (all batches, heads, D together)
     gr = got.transpose(0, 1).reshape(Tk, -1)
     rr = ref.transpose(0, 1).reshape(Tk, -1)
@@ -166,17 +170,14 @@ def child(name, variant):
         hk_err = " ".join(f"{_rel(dk[:, :, h], rdk[:, :, h]):.1e}/{_rel(dv[:, :, h], rdv[:, :, h]):.1e}"
                           for h in range(Hkv))
         print(f"  per kv head dk/dv err: {hk_err}")
-        lines = _pattern("dk", dk, rdk) + _pattern("dv", dv, rdv)
-        if len(lines) > 24:
-            lines = lines[:6] + ["    ..."] + [x for x in lines[6:] if "rows" in x]
-        print("\n".join(lines))
+        print("\n".join(_pattern("dk", dk, rdk) + _pattern("dv", dv, rdv)))
         # dv when P were not masked on the diagonal blocks / double counted: the ratios to try
         with torch.no_grad():
             _, _, _, _, rdv_diag = _reference(q, k, v, do, scale, "diag")
             _, _, _, _, rdv_off = _reference(q, k, v, do, scale, "off")
             a = torch.stack([rdv_diag.float().flatten(), rdv_off.float().flatten()], 1)
             coef = torch.linalg.lstsq(a, dv.float().flatten()[:, None]).solution.flatten().tolist()
-            res = _rel(a @ torch.tensor(coef, device=a.device), dv)
+            res = _rel(a @ torch.tensor(coef, device=a.device), dv.float().flatten())
         print(f"  dv ~ {coef[0]:.3f} * dv_diag_items + {coef[1]:.3f} * dv_offdiag_items (residual {res:.2e})")
 
 
