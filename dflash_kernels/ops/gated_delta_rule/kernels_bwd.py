@@ -95,6 +95,40 @@ def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr
         store_state(dh0_ptr + i_nh.to(tl.int64) * (K * V), b_dh, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
 
 
+@triton.jit
+def _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                    dA_log_ptr, ddt_bias_ptr, HV: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                    BETA_MODE: tl.constexpr):
+    """Store one chunk's and value head's dbeta and dg from dbeta (of beta) and dG (of the cumulative log
+    decay G): dg is dG's reverse cumulative sum inside the chunk; with BETA_MODE / GATE, the gradients of the
+    logits / of the raw gate, and the chunk's shares of the A_log and dt_bias gradients."""
+    # beta reloaded rather than kept live through the kernel's loops (registers).
+    b_braw = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
+
+    if BETA_MODE != 0:  # d beta / d logit = s * sigmoid * (1 - sigmoid), s = 1 or 2
+        b_sig = tl.sigmoid(b_braw)
+        b_dbeta = b_dbeta * (b_sig * (1.0 - b_sig) * BETA_MODE)
+    tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
+    if GATE:
+        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay,
+        # both 0 where the forward floored the decay. exp(A_log) sigmoid(x) is taken as
+        # exp(A_log + logsigmoid(x)): below the floor it is at most exp(LOG_GATE_DECAY_CAP) (sigmoid <= softplus).
+        b_x = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+        if HAS_DT_BIAS:
+            b_x = b_x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
+        b_A = tl.load(A_log_ptr + i_h).to(tl.float32)
+        b_e = gdn_gate_exponent(b_x, b_A)
+        b_free = m_t & ~(b_e > LOG_GATE_DECAY_CAP)  # NaN exponents stay: their gradients are NaN
+        b_dA_log = tl.sum(tl.where(b_free, b_dg * -tl.exp(b_e), 0.0), 0)
+        b_logsig = tl.minimum(b_x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_x)))
+        b_dg = tl.where(b_free, b_dg * -tl.exp(b_A + b_logsig), 0.0)
+        tl.store(dA_log_ptr + i_c * HV + i_h, b_dA_log)
+        if HAS_DT_BIAS:
+            tl.store(ddt_bias_ptr + i_c * HV + i_h, tl.sum(b_dg, 0))
+    tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
+
+
 @triton.jit(do_not_specialize=["T"])
 def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr,
                           do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
@@ -236,32 +270,174 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         tl.store(dk_ptr + p_dqk, b_dk, mask=m_tk)
     b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2s, 0)
 
-    # Reloaded rather than kept live through the K blocks (registers).
-    b_braw = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
-    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
+    _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                    dA_log_ptr, ddt_bias_ptr, HV, GATE, HAS_DT_BIAS, BETA_MODE)
 
-    if BETA_MODE != 0:  # d beta / d logit = s * sigmoid * (1 - sigmoid), s = 1 or 2
-        b_sig = tl.sigmoid(b_braw)
-        b_dbeta = b_dbeta * (b_sig * (1.0 - b_sig) * BETA_MODE)
-    tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
-    if GATE:
-        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay,
-        # both 0 where the forward floored the decay. exp(A_log) sigmoid(x) is taken as
-        # exp(A_log + logsigmoid(x)): below the floor it is at most exp(LOG_GATE_DECAY_CAP) (sigmoid <= softplus).
-        b_x = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-        if HAS_DT_BIAS:
-            b_x = b_x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
-        b_A = tl.load(A_log_ptr + i_h).to(tl.float32)
-        b_e = gdn_gate_exponent(b_x, b_A)
-        b_free = m_t & ~(b_e > LOG_GATE_DECAY_CAP)  # NaN exponents stay: their gradients are NaN
-        b_dA_log = tl.sum(tl.where(b_free, b_dg * -tl.exp(b_e), 0.0), 0)
-        b_logsig = tl.minimum(b_x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_x)))
-        b_dg = tl.where(b_free, b_dg * -tl.exp(b_A + b_logsig), 0.0)
-        tl.store(dA_log_ptr + i_c * HV + i_h, b_dA_log)
-        if HAS_DT_BIAS:
-            tl.store(ddt_bias_ptr + i_c * HV + i_h, tl.sum(b_dg, 0))
-    tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
+
+@triton.jit
+def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr,
+                          dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr,
+                          i_c, i_h, i_hk, bos, seqlen, i_t, scale, HK: tl.constexpr, HV: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, VB: tl.constexpr,
+                          GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_MODE: tl.constexpr):
+    """One chunk and value head of ``_gdn_bwd_onepass_kernel``: stores dv, dbeta and dg (and the gate's
+    shares), returns the head's dq and dk ([BT, BK] fp32)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < seqlen
+    rows = bos + o_t
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    dt = q_ptr.dtype.element_ty
+
+    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+    last = tl.minimum(i_t * BT + BT, seqlen) - 1
+    b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
+    b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_beta = tl.where(m_t, gdn_beta(b_beta, BETA_MODE), 0.0)
+    b_Ad = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0).to(dt)
+
+    # The one pass over V: every product that contracts over V, each tile of U, dO, dU, S0 and dS1 read once.
+    # The products with dU run in the input precision, as the forward's u = A (beta V) does.
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)   # dO U^T
+    b_dL = tl.zeros([BT, BT], dtype=tl.float32)   # -(A^T dU) U^T
+    b_dqs = tl.zeros([BT, BK], dtype=tl.float32)  # dO S0^T
+    b_dks = tl.zeros([BT, BK], dtype=tl.float32)  # U dS1^T
+    b_dX = tl.zeros([BT, BK], dtype=tl.float32)   # A^T dw = -(A^T dU) S0^T: dY's product, no second use of A
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)      # partial sums of S0 * dS1 (for dG_last)
+    p_h = (i_c.to(tl.int64) * HV + i_h) * (K * V)
+    for i_v in range(tl.cdiv(V, VB)):
+        o_v = i_v * VB + tl.arange(0, VB)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        m_kv = m_k[:, None] & (o_v < V)[None, :]
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
+        b_do = tl.load(do_ptr + p_v, mask=m_tv, other=0)
+        b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0).to(dt)
+        b_h = tl.load(h_ptr + p_h + o_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh_ptr + p_h + o_kv, mask=m_kv, other=0)
+        b_dP += tl.dot(b_do, tl.trans(b_vnew))
+        b_dqs += tl.dot(b_do, tl.trans(b_h))
+        b_dks += tl.dot(b_vnew, tl.trans(b_dh))
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        b_dY = tl.dot(tl.trans(b_Ad), b_dvnew)
+        tl.store(dv_ptr + p_v, (b_dY * b_beta[:, None]).to(dv_ptr.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_dbeta += tl.sum(b_dY * b_v, 1)
+        b_dYd = b_dY.to(dt)
+        b_dL -= tl.dot(b_dYd, tl.trans(b_vnew))
+        b_dX -= tl.dot(b_dYd, tl.trans(b_h))
+
+    b_eG = tl.exp(tl.where(m_t, b_G, 0.0))
+    b_edec = tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))
+    b_bg = b_beta * b_eG
+    p_qk = rows[:, None] * (HK * K) + i_hk * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
+    b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
+
+    # Intra-chunk attention term.
+    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    gamma = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0))
+    b_dPG = tl.where(causal, b_dP * scale * gamma, 0.0)
+    b_dPGd = b_dPG.to(dt)
+    b_t = b_dPG * tl.dot(b_q, tl.trans(b_k))
+    b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
+
+    # The inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij: its gradient's shares.
+    strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dL = tl.where(strict, b_dL, 0.0)
+    gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    b_dLg = b_dL * gamma_s
+    b_dR = b_dLg * b_beta[:, None]
+    b_dRd = b_dR.to(dt)
+    b_kk = tl.dot(b_k, tl.trans(b_k))
+    b_dbeta += tl.sum(b_dLg * b_kk, 1)
+    b_t3 = b_dR * b_kk
+    b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
+
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+    b_dq = b_dqs * (scale * b_eG)[:, None]
+    b_dG += tl.sum(b_dq * b_qf, 1)
+    b_dq += tl.dot(b_dPGd, b_k)
+
+    # State paths: S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U.
+    b_dk = tl.dot(tl.trans(b_dPGd), b_q) + b_dks * b_edec[:, None]
+    b_t2 = tl.sum(b_dks * b_kf * b_edec[:, None], 1)
+    b_dG -= b_t2
+    # WY representation: w = A X, X = diag(beta e^G) K, then A = (I + L)^-1 (L's share above).
+    b_dk += b_dX * b_bg[:, None]
+    b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
+    b_dXk = tl.sum(b_dX * b_kf, 1)
+    b_dbeta += b_dXk * b_eG
+    b_dG += b_dXk * b_bg
+    b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2, 0)
+    b_dG += tl.where(o_t == last, b_dGlast, 0.0)
+    _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                    dA_log_ptr, ddt_bias_ptr, HV, GATE, HAS_DT_BIAS, BETA_MODE)
+    return b_dq, b_dk
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gdn_bwd_onepass_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr,
+                            do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                            dA_log_ptr, ddt_bias_ptr, q_in_ptr, k_in_ptr, q_rstd_ptr, k_rstd_ptr, cu_seqlens_ptr,
+                            chunk_indices_ptr, T, scale, SQ, SK,
+                            HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, BV: tl.constexpr,
+                            GATE: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False,
+                            BETA_MODE: tl.constexpr = 0, GROUP: tl.constexpr = False, L2NORM: tl.constexpr = False):
+    # Without GROUP: one program per (chunk, value head), dq and dk stored per value head in fp32 ([B, T, HV, K],
+    # summed over each key head's group and put through the l2norm backward on the host), as the two-pass kernel.
+    # GROUP: one program per (chunk, key head) running its HV // HK value heads in order and summing their dq
+    # and dk in registers (a fixed order: deterministic, no atomics); with L2NORM the l2norm backward follows
+    # (q_in, k_in: the raw inputs, rows SQ / SK apart; q_rstd, k_rstd [B, T, HK]), and dq, dk are stored once,
+    # in their dtype, [B, T, HK, K]. Both: the same per-head results (dv, dbeta, dg) and the same products.
+    # The V loop's block: 32 whenever K's block is 32, as in the two-pass kernel, whose sm_90 build at BK = 32
+    # with one V iteration of 16 or 64 accessed shared memory out of range (see there).
+    VB: tl.constexpr = 32 if BK == 32 else BV
+    G: tl.constexpr = HV // HK
+    i_c, i_hd = tl.program_id(0), tl.program_id(1)
+    bos, seqlen, i_t = chunk_bounds(i_c, T, cu_seqlens_ptr, chunk_indices_ptr, BT, IS_VARLEN)
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < seqlen
+    rows = bos + o_t
+    o_k = tl.arange(0, BK)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    if GROUP:
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_g in range(G):
+            b_dqh, b_dkh = _gdn_bwd_onepass_head(
+                q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, dv_ptr,
+                dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr, i_c, i_hd * G + i_g,
+                i_hd, bos, seqlen, i_t, scale, HK, HV, K, V, BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE)
+            b_dq += b_dqh
+            b_dk += b_dkh
+        if L2NORM:
+            # dx = rstd (dy - y sum(dy y)), y = x rstd in fp32 (kernels_l2norm.py).
+            p_r = rows * HK + i_hd
+            b_rstd = tl.load(q_rstd_ptr + p_r, mask=m_t, other=0)
+            b_y = tl.load(q_in_ptr + rows[:, None] * SQ + i_hd * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+            b_y = b_y * b_rstd[:, None]
+            b_dq = b_rstd[:, None] * (b_dq - b_y * tl.sum(b_dq * b_y, 1)[:, None])
+            b_rstd = tl.load(k_rstd_ptr + p_r, mask=m_t, other=0)
+            b_y = tl.load(k_in_ptr + rows[:, None] * SK + i_hd * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
+            b_y = b_y * b_rstd[:, None]
+            b_dk = b_rstd[:, None] * (b_dk - b_y * tl.sum(b_dk * b_y, 1)[:, None])
+        p_d = rows[:, None] * (HK * K) + i_hd * K + o_k[None, :]
+    else:
+        b_dq, b_dk = _gdn_bwd_onepass_head(
+            q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, dv_ptr,
+            dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr, i_c, i_hd, i_hd // G, bos,
+            seqlen, i_t, scale, HK, HV, K, V, BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE)
+        p_d = rows[:, None] * (HV * K) + i_hd * K + o_k[None, :]
+    tl.store(dq_ptr + p_d, b_dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
+    tl.store(dk_ptr + p_d, b_dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
 
 
 # LOOP_STAGES=3: the chunk loop pipelined three deep (no register spills on sm_90, where the 2-stage
@@ -278,3 +454,19 @@ gdn_bwd_local_kernel = ByPrecision(
      Config(BV=64, BKB=64, num_warps=8, num_stages=3), Config(BV=64, BKB=128, num_warps=8)],
     [Config(BV=16, BKB=64, num_warps=4, num_stages=1), Config(BV=32, BKB=64, num_warps=4, num_stages=1)],
     Config(BV=16, BKB=16))
+# The one-pass local backward (DFLASH_KERNELS_GDN_BWD_LOCAL=onepass / group): K whole, so only the V block and
+# the pipelining depth are tuned; 8 warps for the fp32 [BT, K] accumulators of the V loop (three of them and two
+# [BT, BT]), which need about half the register file at 8 warps, the group form two more [BT, K] for its sums.
+# fp32 inputs: 4 warps, one stage, as every fp32 list (ByPrecision says why).
+gdn_bwd_onepass_kernel = ByPrecision(
+    _gdn_bwd_onepass_kernel, "gdn_bwd_onepass",
+    [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=16, num_warps=8),
+     Config(BV=32, num_warps=8, num_stages=3), Config(BV=64, num_warps=8, num_stages=3)],
+    [Config(BV=16, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)],
+    Config(BV=16))
+gdn_bwd_group_kernel = ByPrecision(
+    _gdn_bwd_onepass_kernel, "gdn_bwd_onepass_group",
+    [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=16, num_warps=8),
+     Config(BV=32, num_warps=8, num_stages=3), Config(BV=64, num_warps=8, num_stages=3)],
+    [Config(BV=16, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)],
+    Config(BV=16))
