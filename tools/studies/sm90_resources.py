@@ -133,8 +133,13 @@ def gdn_cases():
          {"V": 128, "HAS_H0": False, "OUTPUT": True, "HAS_T_BAD": True}),
         ("gdn_bwd_state", KB.gdn_bwd_state_kernel.default, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
         ("gdn_bwd_local", KB.gdn_bwd_local_kernel.default, {"V": 128}),
+        ("gdn_bwd_onepass", KB.gdn_bwd_onepass_kernel.default, {"V": 128}),
+        # the group form at GQA 3 with the l2norm backward: dq and dk in bf16 ([B, T, Hk, K])
+        ("gdn_bwd_group", KB.gdn_bwd_group_kernel.default, {"V": 128, "GROUP": True, "L2NORM": True}),
     ]:
-        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale",))
+        out32 = fp32 if not extra.get("GROUP") else tuple(p for p in fp32 if p not in ("dq_ptr", "dk_ptr"))
+        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=out32 + ("q_rstd_ptr", "k_rstd_ptr"), i32=i32,
+                       scalars_fp32=("scale",))
         for c in kern.configs:
             meta = {k: v for k, v in {**common, **extra, **c.meta}.items() if v is not None}
             yield name, kern.fn, types, meta, c

@@ -277,12 +277,14 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
 
 @triton.jit
 def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr,
-                          dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr,
-                          i_c, i_h, i_hk, bos, seqlen, i_t, scale, HK: tl.constexpr, HV: tl.constexpr,
-                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, VB: tl.constexpr,
-                          GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_MODE: tl.constexpr):
+                          dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr,
+                          ddt_bias_ptr, i_c, i_h, i_hk, bos, seqlen, i_t, scale, b_dq_acc, b_dk_acc,
+                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                          BK: tl.constexpr, VB: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                          BETA_MODE: tl.constexpr, STORE: tl.constexpr):
     """One chunk and value head of ``_gdn_bwd_onepass_kernel``: stores dv, dbeta and dg (and the gate's
-    shares), returns the head's dq and dk ([BT, BK] fp32)."""
+    shares); the head's dq and dk ([BT, BK] fp32) are stored per value head (STORE, fp32 [B, T, HV, K]) as soon
+    as each is complete, or added to ``b_dq_acc`` / ``b_dk_acc``; returns those."""
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < seqlen
     rows = bos + o_t
@@ -291,9 +293,6 @@ def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     m_k = o_k < K
     dt = q_ptr.dtype.element_ty
 
-    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
-    last = tl.minimum(i_t * BT + BT, seqlen) - 1
-    b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
     b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_beta = tl.where(m_t, gdn_beta(b_beta, BETA_MODE), 0.0)
     b_Ad = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0).to(dt)
@@ -331,6 +330,10 @@ def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         b_dL -= tl.dot(b_dYd, tl.trans(b_vnew))
         b_dX -= tl.dot(b_dYd, tl.trans(b_h))
 
+    # What the V loop does not need is loaded after it (registers).
+    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+    last = tl.minimum(i_t * BT + BT, seqlen) - 1
+    b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
     b_eG = tl.exp(tl.where(m_t, b_G, 0.0))
     b_edec = tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))
     b_bg = b_beta * b_eG
@@ -338,6 +341,10 @@ def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
     b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
+    b_qf = b_q.to(tl.float32)
+    b_kf = b_k.to(tl.float32)
+    # In an order that ends each accumulator's life early (registers): dP, then dO S0^T with dq, then
+    # U dS1^T and dw's share with most of dk, then dL.
 
     # Intra-chunk attention term.
     causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
@@ -347,7 +354,25 @@ def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_t = b_dPG * tl.dot(b_q, tl.trans(b_k))
     b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
 
-    # The inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij: its gradient's shares.
+    b_dq = b_dqs * (scale * b_eG)[:, None]
+    b_dG += tl.sum(b_dq * b_qf, 1)
+    b_dq += tl.dot(b_dPGd, b_k)
+    if STORE:
+        tl.store(dq_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dq, mask=m_tk)
+    else:
+        b_dq_acc += b_dq
+
+    # State paths: S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U.
+    b_dk = tl.dot(tl.trans(b_dPGd), b_q) + b_dks * b_edec[:, None]
+    b_t2 = tl.sum(b_dks * b_kf * b_edec[:, None], 1)
+    b_dG -= b_t2
+    # WY representation: w = A X, X = diag(beta e^G) K, then A = (I + L)^-1.
+    b_dk += b_dX * b_bg[:, None]
+    b_dXk = tl.sum(b_dX * b_kf, 1)
+    b_dbeta += b_dXk * b_eG
+    b_dG += b_dXk * b_bg
+
+    # The inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij.
     strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dL = tl.where(strict, b_dL, 0.0)
     gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
@@ -358,28 +383,17 @@ def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_dbeta += tl.sum(b_dLg * b_kk, 1)
     b_t3 = b_dR * b_kk
     b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
-
-    b_qf = b_q.to(tl.float32)
-    b_kf = b_k.to(tl.float32)
-    b_dq = b_dqs * (scale * b_eG)[:, None]
-    b_dG += tl.sum(b_dq * b_qf, 1)
-    b_dq += tl.dot(b_dPGd, b_k)
-
-    # State paths: S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U.
-    b_dk = tl.dot(tl.trans(b_dPGd), b_q) + b_dks * b_edec[:, None]
-    b_t2 = tl.sum(b_dks * b_kf * b_edec[:, None], 1)
-    b_dG -= b_t2
-    # WY representation: w = A X, X = diag(beta e^G) K, then A = (I + L)^-1 (L's share above).
-    b_dk += b_dX * b_bg[:, None]
     b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
-    b_dXk = tl.sum(b_dX * b_kf, 1)
-    b_dbeta += b_dXk * b_eG
-    b_dG += b_dXk * b_bg
+    if STORE:
+        tl.store(dk_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dk, mask=m_tk)
+    else:
+        b_dk_acc += b_dk
+
     b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2, 0)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
     _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
                     dA_log_ptr, ddt_bias_ptr, HV, GATE, HAS_DT_BIAS, BETA_MODE)
-    return b_dq, b_dk
+    return b_dq_acc, b_dk_acc
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -412,12 +426,11 @@ def _gdn_bwd_onepass_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_pt
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         for i_g in range(G):
-            b_dqh, b_dkh = _gdn_bwd_onepass_head(
-                q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, dv_ptr,
-                dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr, i_c, i_hd * G + i_g,
-                i_hd, bos, seqlen, i_t, scale, HK, HV, K, V, BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE)
-            b_dq += b_dqh
-            b_dk += b_dkh
+            b_dq, b_dk = _gdn_bwd_onepass_head(
+                q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, dq_ptr,
+                dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr, i_c,
+                i_hd * G + i_g, i_hd, bos, seqlen, i_t, scale, b_dq, b_dk, HK, HV, K, V, BT, BK, VB, GATE,
+                HAS_DT_BIAS, BETA_MODE, False)
         if L2NORM:
             # dx = rstd (dy - y sum(dy y)), y = x rstd in fp32 (kernels_l2norm.py).
             p_r = rows * HK + i_hd
@@ -430,14 +443,13 @@ def _gdn_bwd_onepass_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_pt
             b_y = b_y * b_rstd[:, None]
             b_dk = b_rstd[:, None] * (b_dk - b_y * tl.sum(b_dk * b_y, 1)[:, None])
         p_d = rows[:, None] * (HK * K) + i_hd * K + o_k[None, :]
+        tl.store(dq_ptr + p_d, b_dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
+        tl.store(dk_ptr + p_d, b_dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
     else:
-        b_dq, b_dk = _gdn_bwd_onepass_head(
-            q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, dv_ptr,
-            dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr, i_c, i_hd, i_hd // G, bos,
-            seqlen, i_t, scale, HK, HV, K, V, BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE)
-        p_d = rows[:, None] * (HV * K) + i_hd * K + o_k[None, :]
-    tl.store(dq_ptr + p_d, b_dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
-    tl.store(dk_ptr + p_d, b_dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
+        _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr,
+                              do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr,
+                              ddt_bias_ptr, i_c, i_hd, i_hd // G, bos, seqlen, i_t, scale, None, None, HK, HV, K, V,
+                              BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE, True)
 
 
 # LOOP_STAGES=3: the chunk loop pipelined three deep (no register spills on sm_90, where the 2-stage
