@@ -276,15 +276,37 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
 
 
 @triton.jit
+def _gdn_bwd_chunk_terms(b_dP, b_dL, b_q, b_k, b_G, b_beta, m_t, scale, BT: tl.constexpr):
+    """The terms of one chunk and value head that contract over its rows only, from dP = dO U^T and
+    dL = -(A^T dU) U^T: (dP Gamma and dR in the input precision, their shares of dG, dL's share of dbeta)."""
+    dt = b_q.dtype
+    o_i = tl.arange(0, BT)
+    # Intra-chunk attention term.
+    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    gamma = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0))
+    b_dPG = tl.where(causal, b_dP * scale * gamma, 0.0)
+    b_t = b_dPG * tl.dot(b_q, tl.trans(b_k))
+    b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
+    # The inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij.
+    strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_dL = tl.where(strict, b_dL, 0.0)
+    gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
+    b_dLg = b_dL * gamma_s
+    b_dR = b_dLg * b_beta[:, None]
+    b_kk = tl.dot(b_k, tl.trans(b_k))
+    b_t3 = b_dR * b_kk
+    b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
+    return b_dPG.to(dt), b_dR.to(dt), b_dG, tl.sum(b_dLg * b_kk, 1)
+
+
+@triton.jit
 def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr,
                           dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr,
-                          ddt_bias_ptr, i_c, i_h, i_hk, bos, seqlen, i_t, scale, b_dq_acc, b_dk_acc,
-                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                          BK: tl.constexpr, VB: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                          BETA_MODE: tl.constexpr, STORE: tl.constexpr):
-    """One chunk and value head of ``_gdn_bwd_onepass_kernel``: stores dv, dbeta and dg (and the gate's
-    shares); the head's dq and dk ([BT, BK] fp32) are stored per value head (STORE, fp32 [B, T, HV, K]) as soon
-    as each is complete, or added to ``b_dq_acc`` / ``b_dk_acc``; returns those."""
+                          ddt_bias_ptr, i_c, i_h, i_hk, bos, seqlen, i_t, scale, HK: tl.constexpr, HV: tl.constexpr,
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, VB: tl.constexpr,
+                          GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr, BETA_MODE: tl.constexpr):
+    """One chunk and value head of ``_gdn_bwd_onepass_kernel`` without GROUP: stores dv, dbeta, dg (and the
+    gate's shares), and dq, dk per value head (fp32 [B, T, HV, K])."""
     o_t = i_t * BT + tl.arange(0, BT)
     m_t = o_t < seqlen
     rows = bos + o_t
@@ -341,59 +363,112 @@ def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
     b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
-    b_qf = b_q.to(tl.float32)
     b_kf = b_k.to(tl.float32)
-    # In an order that ends each accumulator's life early (registers): dP, then dO S0^T with dq, then
-    # U dS1^T and dw's share with most of dk, then dL.
-
-    # Intra-chunk attention term.
-    causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    gamma = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0))
-    b_dPG = tl.where(causal, b_dP * scale * gamma, 0.0)
-    b_dPGd = b_dPG.to(dt)
-    b_t = b_dPG * tl.dot(b_q, tl.trans(b_k))
-    b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
+    b_dPGd, b_dRd, b_dG, b_dbL = _gdn_bwd_chunk_terms(b_dP, b_dL, b_q, b_k, b_G, b_beta, m_t, scale, BT)
+    b_dbeta += b_dbL
+    p_d = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
 
     b_dq = b_dqs * (scale * b_eG)[:, None]
-    b_dG += tl.sum(b_dq * b_qf, 1)
+    b_dG += tl.sum(b_dq * b_q.to(tl.float32), 1)
     b_dq += tl.dot(b_dPGd, b_k)
-    if STORE:
-        tl.store(dq_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dq, mask=m_tk)
-    else:
-        b_dq_acc += b_dq
+    tl.store(dq_ptr + p_d, b_dq, mask=m_tk)
 
     # State paths: S1 = exp(G_last) S0 + (K * exp(G_last - G))^T U.
     b_dk = tl.dot(tl.trans(b_dPGd), b_q) + b_dks * b_edec[:, None]
-    b_t2 = tl.sum(b_dks * b_kf * b_edec[:, None], 1)
+    b_t2 = tl.sum(b_dks * b_kf, 1) * b_edec
     b_dG -= b_t2
-    # WY representation: w = A X, X = diag(beta e^G) K, then A = (I + L)^-1.
+    # WY representation: w = A X, X = diag(beta e^G) K, then A = (I + L)^-1 (L's share above).
     b_dk += b_dX * b_bg[:, None]
     b_dXk = tl.sum(b_dX * b_kf, 1)
     b_dbeta += b_dXk * b_eG
     b_dG += b_dXk * b_bg
-
-    # The inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij.
-    strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_dL = tl.where(strict, b_dL, 0.0)
-    gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
-    b_dLg = b_dL * gamma_s
-    b_dR = b_dLg * b_beta[:, None]
-    b_dRd = b_dR.to(dt)
-    b_kk = tl.dot(b_k, tl.trans(b_k))
-    b_dbeta += tl.sum(b_dLg * b_kk, 1)
-    b_t3 = b_dR * b_kk
-    b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
     b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
-    if STORE:
-        tl.store(dk_ptr + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], b_dk, mask=m_tk)
-    else:
-        b_dk_acc += b_dk
+    tl.store(dk_ptr + p_d, b_dk, mask=m_tk)
 
     b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2, 0)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
     _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
                     dA_log_ptr, ddt_bias_ptr, HV, GATE, HAS_DT_BIAS, BETA_MODE)
-    return b_dq_acc, b_dk_acc
+
+
+@triton.jit
+def _gdn_bwd_group_head(b_q, b_k, b_dq, b_dk, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr,
+                        do_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr,
+                        i_c, i_h, bos, seqlen, i_t, scale, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, VB: tl.constexpr, GATE: tl.constexpr,
+                        HAS_DT_BIAS: tl.constexpr, BETA_MODE: tl.constexpr):
+    """One chunk and value head of ``_gdn_bwd_onepass_kernel`` with GROUP: stores dv, dbeta, dg (and the gate's
+    shares) and returns the key head's running dq and dk with this head's added.
+
+    dq and dk are summed over the group in the V loop's own accumulators: their products' row scalings
+    (scale e^G, e^(G_last - G), beta e^G) are applied to the V tiles before the products, so the products of
+    every head add up in one [BT, K] accumulator each. What dG and dbeta need from a single head, the row sums
+    of (dO S0^T) * q, (U dS1^T) * k and (dY S0^T) * k, are taken over V instead: dO * (q S0), U * (k dS1) and
+    dY * (k S0), from [BT, V] tiles (more products, two [BT, K] accumulators fewer)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < seqlen
+    rows = bos + o_t
+    o_i = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    dt = b_q.dtype
+
+    b_beta = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_beta = tl.where(m_t, gdn_beta(b_beta, BETA_MODE), 0.0)
+    b_Ad = tl.load(A_ptr + rows[:, None] * (HV * BT) + i_h * BT + o_i[None, :], mask=m_t[:, None], other=0).to(dt)
+    b_G = tl.load(gcum_ptr + rows * HV + i_h, mask=m_t, other=0)
+    last = tl.minimum(i_t * BT + BT, seqlen) - 1
+    b_Glast = tl.load(gcum_ptr + (bos + last) * HV + i_h)
+    b_eG = tl.exp(tl.where(m_t, b_G, 0.0))
+    b_edec = tl.exp(tl.where(m_t, b_Glast - b_G, 0.0))
+    b_bg = b_beta * b_eG
+    b_sq = b_eG * scale
+
+    b_dP = tl.zeros([BT, BT], dtype=tl.float32)   # dO U^T
+    b_dL = tl.zeros([BT, BT], dtype=tl.float32)   # -(A^T dU) U^T
+    b_rq = tl.zeros([BT], dtype=tl.float32)       # row sums of (dO S0^T) * q
+    b_rk = tl.zeros([BT], dtype=tl.float32)       # row sums of (U dS1^T) * k
+    b_rx = tl.zeros([BT], dtype=tl.float32)       # row sums of (dY S0^T) * k, dY = A^T dU
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    b_hdh = tl.zeros([BK], dtype=tl.float32)      # partial sums of S0 * dS1 (for dG_last)
+    p_h = (i_c.to(tl.int64) * HV + i_h) * (K * V)
+    for i_v in range(tl.cdiv(V, VB)):
+        o_v = i_v * VB + tl.arange(0, VB)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        m_kv = m_k[:, None] & (o_v < V)[None, :]
+        o_kv = o_k[:, None] * V + o_v[None, :]
+        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
+        b_vnew = tl.load(vnew_ptr + p_v, mask=m_tv, other=0)
+        b_do = tl.load(do_ptr + p_v, mask=m_tv, other=0)
+        b_dvnew = tl.load(dvnew_ptr + p_v, mask=m_tv, other=0).to(dt)
+        b_h = tl.load(h_ptr + p_h + o_kv, mask=m_kv, other=0)
+        b_dh = tl.load(dh_ptr + p_h + o_kv, mask=m_kv, other=0)
+        b_dP += tl.dot(b_do, tl.trans(b_vnew))
+        b_dq += tl.dot((b_do * b_sq[:, None]).to(dt), tl.trans(b_h))
+        b_rq += tl.sum(b_do.to(tl.float32) * tl.dot(b_q, b_h), 1)
+        b_dk += tl.dot((b_vnew * b_edec[:, None]).to(dt), tl.trans(b_dh))
+        b_rk += tl.sum(b_vnew.to(tl.float32) * tl.dot(b_k, b_dh), 1)
+        b_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), 1)
+        b_dY = tl.dot(tl.trans(b_Ad), b_dvnew)
+        tl.store(dv_ptr + p_v, (b_dY * b_beta[:, None]).to(dv_ptr.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v_ptr + p_v, mask=m_tv, other=0).to(tl.float32)
+        b_dbeta += tl.sum(b_dY * b_v, 1)
+        b_dL -= tl.dot(b_dY.to(dt), tl.trans(b_vnew))
+        b_dk -= tl.dot((b_dY * b_bg[:, None]).to(dt), tl.trans(b_h))
+        b_rx += tl.sum(b_dY * tl.dot(b_k, b_h), 1)
+
+    b_dPGd, b_dRd, b_dG, b_dbL = _gdn_bwd_chunk_terms(b_dP, b_dL, b_q, b_k, b_G, b_beta, m_t, scale, BT)
+    b_dbeta += b_dbL - b_rx * b_eG
+    b_t2 = b_rk * b_edec
+    b_dG += b_rq * b_sq - b_t2 - b_rx * b_bg
+    b_dq += tl.dot(b_dPGd, b_k)
+    b_dk += tl.dot(tl.trans(b_dPGd), b_q) + tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
+
+    b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2, 0)
+    b_dG += tl.where(o_t == last, b_dGlast, 0.0)
+    _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                    dA_log_ptr, ddt_bias_ptr, HV, GATE, HAS_DT_BIAS, BETA_MODE)
+    return b_dq, b_dk
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -423,14 +498,17 @@ def _gdn_bwd_onepass_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_pt
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     if GROUP:
+        # q and k once for the group; dq and dk summed over its value heads in order (_gdn_bwd_group_head).
+        p_qk = rows[:, None] * (HK * K) + i_hd * K + o_k[None, :]
+        b_q = tl.load(q_ptr + p_qk, mask=m_tk, other=0)
+        b_k = tl.load(k_ptr + p_qk, mask=m_tk, other=0)
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         for i_g in range(G):
-            b_dq, b_dk = _gdn_bwd_onepass_head(
-                q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, dq_ptr,
-                dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr, i_c,
-                i_hd * G + i_g, i_hd, bos, seqlen, i_t, scale, b_dq, b_dk, HK, HV, K, V, BT, BK, VB, GATE,
-                HAS_DT_BIAS, BETA_MODE, False)
+            b_dq, b_dk = _gdn_bwd_group_head(
+                b_q, b_k, b_dq, b_dk, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr,
+                dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr, ddt_bias_ptr, i_c,
+                i_hd * G + i_g, bos, seqlen, i_t, scale, HV, K, V, BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE)
         if L2NORM:
             # dx = rstd (dy - y sum(dy y)), y = x rstd in fp32 (kernels_l2norm.py).
             p_r = rows * HK + i_hd
@@ -442,15 +520,13 @@ def _gdn_bwd_onepass_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_pt
             b_y = tl.load(k_in_ptr + rows[:, None] * SK + i_hd * K + o_k[None, :], mask=m_tk, other=0).to(tl.float32)
             b_y = b_y * b_rstd[:, None]
             b_dk = b_rstd[:, None] * (b_dk - b_y * tl.sum(b_dk * b_y, 1)[:, None])
-        p_d = rows[:, None] * (HK * K) + i_hd * K + o_k[None, :]
-        tl.store(dq_ptr + p_d, b_dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
-        tl.store(dk_ptr + p_d, b_dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
+        tl.store(dq_ptr + p_qk, b_dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
+        tl.store(dk_ptr + p_qk, b_dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
     else:
         _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr,
-                              do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr, dA_log_ptr,
-                              ddt_bias_ptr, i_c, i_hd, i_hd // G, bos, seqlen, i_t, scale, None, None, HK, HV, K, V,
-                              BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE, True)
-
+                              do_ptr, dq_ptr, dk_ptr, dv_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                              dA_log_ptr, ddt_bias_ptr, i_c, i_hd, i_hd // G, bos, seqlen, i_t, scale, HK, HV, K, V,
+                              BT, BK, VB, GATE, HAS_DT_BIAS, BETA_MODE)
 
 # LOOP_STAGES=3: the chunk loop pipelined three deep (no register spills on sm_90, where the 2-stage
 # configs spill); forced alone it made the forward+backward faster (benchmarks/results/README.md).
@@ -467,18 +543,19 @@ gdn_bwd_local_kernel = ByPrecision(
     [Config(BV=16, BKB=64, num_warps=4, num_stages=1), Config(BV=32, BKB=64, num_warps=4, num_stages=1)],
     Config(BV=16, BKB=16))
 # The one-pass local backward (DFLASH_KERNELS_GDN_BWD_LOCAL=onepass / group): K whole, so only the V block and
-# the pipelining depth are tuned; 8 warps for the fp32 [BT, K] accumulators of the V loop (three of them and two
-# [BT, BT]), which need about half the register file at 8 warps, the group form two more [BT, K] for its sums.
-# fp32 inputs: 4 warps, one stage, as every fp32 list (ByPrecision says why).
+# the pipelining depth are tuned, at 8 warps: the V loop's fp32 accumulators ([BT, K] three, [BT, BT] two) take
+# about half the register file there. The candidates are those whose sm_90 build spills no register, or only a
+# few, inside the V loop (tools/studies/sm90_resources.py); the group form's extra [BT, V] products spill
+# heavily there at BV=64. fp32 inputs: 4 warps, one stage, as every fp32 list (ByPrecision says why).
 gdn_bwd_onepass_kernel = ByPrecision(
     _gdn_bwd_onepass_kernel, "gdn_bwd_onepass",
-    [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=16, num_warps=8),
-     Config(BV=32, num_warps=8, num_stages=3), Config(BV=64, num_warps=8, num_stages=3)],
+    [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=32, num_warps=8, num_stages=3),
+     Config(BV=16, num_warps=8)],
     [Config(BV=16, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)],
     Config(BV=16))
 gdn_bwd_group_kernel = ByPrecision(
     _gdn_bwd_onepass_kernel, "gdn_bwd_onepass_group",
-    [Config(BV=32, num_warps=8), Config(BV=64, num_warps=8), Config(BV=16, num_warps=8),
-     Config(BV=32, num_warps=8, num_stages=3), Config(BV=64, num_warps=8, num_stages=3)],
+    [Config(BV=16, num_warps=8), Config(BV=32, num_warps=8), Config(BV=16, num_warps=8, num_stages=3),
+     Config(BV=32, num_warps=8, num_stages=3)],
     [Config(BV=16, num_warps=4, num_stages=1), Config(BV=32, num_warps=4, num_stages=1)],
     Config(BV=16))
