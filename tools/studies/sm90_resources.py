@@ -196,7 +196,8 @@ def main():
                 continue
             fits = "fits" if r["shared"] <= H200_SHARED_MEMORY else "TOO MUCH SHARED MEMORY"
             print(f"{name:16s} {config}: shared {r['shared']:>6} B ({fits}), {r['regs']} regs, "
-                  f"stack {r['stack']} B, spill stores {r['stl']}, loads {r['ldl']}, {r['inner']} in inner loops", flush=True)
+                  f"stack {r['stack']} B, spill stores {r['stl']}, loads {r['ldl']}, {r['inner']} in inner loops",
+                  flush=True)
 
 
 if __name__ == "__main__":
