@@ -535,7 +535,11 @@ def test_gpu_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
 
 _SCANS = {"state_output": kernels_fwd.gdn_fwd_scan_kernel.default,
           "bwd_state": kernels_bwd.gdn_bwd_state_kernel.default,
-          "bwd_local": kernels_bwd.gdn_bwd_local_kernel.default}
+          "bwd_local": kernels_bwd.gdn_bwd_local_kernel.default,
+          "bwd_onepass": kernels_bwd.gdn_bwd_onepass_kernel.default,
+          "bwd_group": kernels_bwd.gdn_bwd_group_kernel.default}
+# The local kernels launched only in their DFLASH_KERNELS_GDN_BWD_LOCAL mode.
+_SCAN_MODES = {"bwd_onepass": "onepass", "bwd_group": "group"}
 
 
 @pytest.mark.gpu
@@ -547,6 +551,7 @@ def test_gpu_every_scan_candidate(monkeypatch, name, index):
     kernel = _SCANS[name]
     monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
     monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "0")  # the fused scan (auto splits at 1 x 6 heads)
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_BWD_LOCAL", _SCAN_MODES.get(name, "twopass"))
     kernel.reset()
     try:
         tensors = _inputs(1, 333, 2, 6, 128, 128, torch.bfloat16, h0=True)
@@ -610,19 +615,26 @@ def test_gpu_threads_on_fresh_shapes():
             assert rel_err(grads[name], rgrads[name]) <= _tol(torch.bfloat16, grad=True), name
 
 
-@pytest.mark.parametrize("K", [128, 256])
-def test_backward_local_kernel_fits_hopper_shared_memory(K):
-    """Every bf16 candidate of the backward's local kernel fits Hopper's shared memory, K=256
+@pytest.mark.parametrize("kernel,K", [("gdn_bwd_local_kernel", 128), ("gdn_bwd_local_kernel", 256),
+                                      slow_param("gdn_bwd_onepass_kernel", 128), ("gdn_bwd_onepass_kernel", 256),
+                                      slow_param("gdn_bwd_group_kernel", 128), ("gdn_bwd_group_kernel", 256)])
+def test_backward_local_kernel_fits_hopper_shared_memory(kernel, K):
+    """Every bf16 candidate of the backward's local kernels fits Hopper's shared memory, K=256
     included (compiled for sm_90 with Triton's toolchain: no GPU needed): with fp32 K-wide operands
-    in its dots it would not fit at K=256."""
+    in its dots the two-pass kernel would not fit at K=256."""
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
 
-    types = {n: "*fp32" for n in ("gcum_ptr", "dq_ptr", "dk_ptr", "dbeta_ptr", "dg_ptr", "A_ptr")}
+    group = kernel == "gdn_bwd_group_kernel"  # dq and dk in the inputs' dtype, [B, T, Hk, K]
+    types = {n: "*fp32" for n in ("gcum_ptr", "dbeta_ptr", "dg_ptr", "A_ptr", "q_rstd_ptr", "k_rstd_ptr")}
     types.update({p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "h_ptr", "dh_ptr", "vnew_ptr",
-                                       "dvnew_ptr", "do_ptr", "dv_ptr")})
+                                       "dvnew_ptr", "do_ptr", "dv_ptr", "q_in_ptr", "k_in_ptr")})
+    types.update({p: "*bf16" if group else "*fp32" for p in ("dq_ptr", "dk_ptr")})
     types.update({"cu_seqlens_ptr": "*i32", "chunk_indices_ptr": "*i32", "scale": "fp32"})
-    configs = kernels_bwd.gdn_bwd_local_kernel.default.configs
+    wrapper = getattr(kernels_bwd, kernel).default
+    configs = wrapper.configs
     consts = dict(HK=16, HV=48, K=K, V=K, BT=64, BK=K, IS_VARLEN=False)
-    smem = hopper_shared_memory("dflash_kernels.ops.gated_delta_rule.kernels_bwd", "_gdn_bwd_local_kernel",
+    if group:
+        consts.update(GROUP=True, L2NORM=True)
+    smem = hopper_shared_memory("dflash_kernels.ops.gated_delta_rule.kernels_bwd", wrapper.fn.fn.__name__,
                                 types, consts, [(c.num_warps, c.num_stages, dict(c.meta)) for c in configs])
     assert len(smem) == len(configs) and all(0 < b <= H200_SHARED_MEMORY for b in smem), list(zip(configs, smem))
