@@ -1,7 +1,7 @@
 """Triton kernels of the chunked gated delta rule backward.
 
 Notation of ``kernels_fwd.py`` (S0 = state at the chunk start, U = u - w S0, S1 = state at its end).
-Two kernels, no atomics (deterministic):
+Two kernels, ``state`` then ``local`` (or the one-pass forms of ``local`` below), no atomics (deterministic):
 
 ``state`` (sequential, chunks in reverse, parallel over sequences, heads and V blocks). With dS1 the
 gradient of the chunk's end state (dht for the last chunk):
@@ -26,6 +26,21 @@ To bound the registers, ``local`` runs one pass over V for what contracts over V
 then, with dL and dR known, one pass over column blocks of K (BKB wide): per block a V loop accumulates
 its columns of dO S0^T, U dS1^T and dw, and the block's dq and dk (stored once) and its shares of dbeta
 and dG follow.
+
+``onepass`` (``DFLASH_KERNELS_GDN_BWD_LOCAL=onepass``; the same outputs, parallel over chunks): K whole and
+one pass over V, each V tile of U, dO, dU, S0 and dS1 read once and every product over V taken from it: dP,
+dv and dL as above, and the [BT, K] accumulators dO S0^T, U dS1^T and A^T dw. The last needs neither dw nor a
+second use of A: A^T dw = -(A^T dU) S0^T = -dY S0^T with dY = A^T dU, formed for dv already. dq, dk, dbeta and
+dG follow the loop as in ``local``.
+
+``onepass`` with GROUP (``group``): one program per chunk and key head, over its HV // HK value heads in order,
+summing their dq and dk in registers (deterministic, no atomics), then, with the in-kernel l2norm, its
+backward; dq and dk stored once, [B, T, HK, K] in the inputs' dtype (no fp32 per-value-head dq / dk, no
+l2norm backward launches). To hold the sums in the V loop's own accumulators, each product's row scaling goes
+onto its V tile first: dq += (scale e^G dO) S0^T and dk += (e^(G_last - G) U) dS1^T - (beta e^G dY) S0^T.
+The row sums dG and dbeta take from the single head's products are taken over V instead:
+rowsum((dO S0^T) * Q) = rowsum(dO * (Q S0)), rowsum((U dS1^T) * K) = rowsum(U * (K dS1)),
+rowsum((dY S0^T) * K) = rowsum(dY * (K S0)).
 
 Their TritonKernel wrappers and tuning candidates close the module (``ByPrecision``: kernels_fwd.py).
 """
