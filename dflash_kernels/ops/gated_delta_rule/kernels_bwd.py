@@ -1,7 +1,7 @@
 """Triton kernels of the chunked gated delta rule backward.
 
 Notation of ``kernels_fwd.py`` (S0 = state at the chunk start, U = u - w S0, S1 = state at its end).
-Two kernels, ``state`` then ``local`` (or the one-pass forms of ``local`` below), no atomics (deterministic):
+Two kernels, no atomics (deterministic):
 
 ``state`` (sequential, chunks in reverse, parallel over sequences, heads and V blocks). With dS1 the
 gradient of the chunk's end state (dht for the last chunk):
@@ -27,22 +27,7 @@ then, with dL and dR known, one pass over column blocks of K (BKB wide): per blo
 its columns of dO S0^T, U dS1^T and dw, and the block's dq and dk (stored once) and its shares of dbeta
 and dG follow.
 
-``onepass`` (``DFLASH_KERNELS_GDN_BWD_LOCAL=onepass``; the same outputs, parallel over chunks): K whole and
-one pass over V, each V tile of U, dO, dU, S0 and dS1 read once and every product over V taken from it: dP,
-dv and dL as above, and the [BT, K] accumulators dO S0^T, U dS1^T and A^T dw. The last needs neither dw nor a
-second use of A: A^T dw = -(A^T dU) S0^T = -dY S0^T with dY = A^T dU, formed for dv already. dq, dk, dbeta and
-dG follow the loop as in ``local``.
-
-``onepass`` with GROUP (``group``): one program per chunk and key head, over its HV // HK value heads in order,
-summing their dq and dk in registers (deterministic, no atomics), then, with the in-kernel l2norm, its
-backward; dq and dk stored once, [B, T, HK, K] in the inputs' dtype (no fp32 per-value-head dq / dk, no
-l2norm backward launches). To hold the sums in the V loop's own accumulators, each product's row scaling goes
-onto its V tile first: dq += (scale e^G dO) S0^T and dk += (e^(G_last - G) U) dS1^T - (beta e^G dY) S0^T.
-The row sums dG and dbeta take from the single head's products are taken over V instead:
-rowsum((dO S0^T) * Q) = rowsum(dO * (Q S0)), rowsum((U dS1^T) * K) = rowsum(U * (K dS1)),
-rowsum((dY S0^T) * K) = rowsum(dY * (K S0)).
-
-Their TritonKernel wrappers and tuning candidates close the module (``ByPrecision``: kernels_fwd.py).
+The one-pass forms (comment above them) and the TritonKernel wrappers close the module (``ByPrecision``).
 """
 
 import triton
@@ -108,40 +93,6 @@ def _gdn_bwd_state_kernel(q_ptr, k_ptr, w_ptr, gcum_ptr, do_ptr, dht_ptr, dh_ptr
         b_dh = b_dh * tl.exp(b_Glast) + tl.dot(tl.trans(b_qg), b_do) - tl.dot(tl.trans(b_w), b_dvnew.to(dt))
     if HAS_H0:
         store_state(dh0_ptr + i_nh.to(tl.int64) * (K * V), b_dh, o_k, o_v, m_kv, K, V, STATE_V_FIRST)
-
-
-@triton.jit
-def _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
-                    dA_log_ptr, ddt_bias_ptr, HV: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-                    BETA_MODE: tl.constexpr):
-    """Store one chunk's and value head's dbeta and dg from dbeta (of beta) and dG (of the cumulative log
-    decay G): dg is dG's reverse cumulative sum inside the chunk; with BETA_MODE / GATE, the gradients of the
-    logits / of the raw gate, and the chunk's shares of the A_log and dt_bias gradients."""
-    # beta reloaded rather than kept live through the kernel's loops (registers).
-    b_braw = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
-
-    if BETA_MODE != 0:  # d beta / d logit = s * sigmoid * (1 - sigmoid), s = 1 or 2
-        b_sig = tl.sigmoid(b_braw)
-        b_dbeta = b_dbeta * (b_sig * (1.0 - b_sig) * BETA_MODE)
-    tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
-    if GATE:
-        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay,
-        # both 0 where the forward floored the decay. exp(A_log) sigmoid(x) is taken as
-        # exp(A_log + logsigmoid(x)): below the floor it is at most exp(LOG_GATE_DECAY_CAP) (sigmoid <= softplus).
-        b_x = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
-        if HAS_DT_BIAS:
-            b_x = b_x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
-        b_A = tl.load(A_log_ptr + i_h).to(tl.float32)
-        b_e = gdn_gate_exponent(b_x, b_A)
-        b_free = m_t & ~(b_e > LOG_GATE_DECAY_CAP)  # NaN exponents stay: their gradients are NaN
-        b_dA_log = tl.sum(tl.where(b_free, b_dg * -tl.exp(b_e), 0.0), 0)
-        b_logsig = tl.minimum(b_x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_x)))
-        b_dg = tl.where(b_free, b_dg * -tl.exp(b_A + b_logsig), 0.0)
-        tl.store(dA_log_ptr + i_c * HV + i_h, b_dA_log)
-        if HAS_DT_BIAS:
-            tl.store(ddt_bias_ptr + i_c * HV + i_h, tl.sum(b_dg, 0))
-    tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -285,24 +236,105 @@ def _gdn_bwd_local_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
         tl.store(dk_ptr + p_dqk, b_dk, mask=m_tk)
     b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2s, 0)
 
+    # Reloaded rather than kept live through the K blocks (registers).
+    b_braw = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
-    _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
-                    dA_log_ptr, ddt_bias_ptr, HV, GATE, HAS_DT_BIAS, BETA_MODE)
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
+
+    if BETA_MODE != 0:  # d beta / d logit = s * sigmoid * (1 - sigmoid), s = 1 or 2
+        b_sig = tl.sigmoid(b_braw)
+        b_dbeta = b_dbeta * (b_sig * (1.0 - b_sig) * BETA_MODE)
+    tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
+    if GATE:
+        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay,
+        # both 0 where the forward floored the decay. exp(A_log) sigmoid(x) is taken as
+        # exp(A_log + logsigmoid(x)): below the floor it is at most exp(LOG_GATE_DECAY_CAP) (sigmoid <= softplus).
+        b_x = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+        if HAS_DT_BIAS:
+            b_x = b_x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
+        b_A = tl.load(A_log_ptr + i_h).to(tl.float32)
+        b_e = gdn_gate_exponent(b_x, b_A)
+        b_free = m_t & ~(b_e > LOG_GATE_DECAY_CAP)  # NaN exponents stay: their gradients are NaN
+        b_dA_log = tl.sum(tl.where(b_free, b_dg * -tl.exp(b_e), 0.0), 0)
+        b_logsig = tl.minimum(b_x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_x)))
+        b_dg = tl.where(b_free, b_dg * -tl.exp(b_A + b_logsig), 0.0)
+        tl.store(dA_log_ptr + i_c * HV + i_h, b_dA_log)
+        if HAS_DT_BIAS:
+            tl.store(ddt_bias_ptr + i_c * HV + i_h, tl.sum(b_dg, 0))
+    tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
+
+
+# The one-pass forms of ``local`` (DFLASH_KERNELS_GDN_BWD_LOCAL=onepass / group). They follow the kernels above
+# rather than sharing helpers with them or text in the module docstring: the two-pass kernels' sources and line
+# numbers (their Triton cache keys, by which the shipped tuning results are found) stay as they were.
+#
+# ``onepass``: the same outputs as ``local``, parallel over chunks, K whole and one pass over V: each V tile of U,
+# dO, dU, S0 and dS1 is read once and every product over V is taken from it: dP, dv and dL as in ``local``, and
+# the [BT, K] accumulators dO S0^T, U dS1^T and A^T dw. The last needs neither dw nor a second use of A:
+# A^T dw = -(A^T dU) S0^T = -dY S0^T with dY = A^T dU, formed for dv already. dq, dk, dbeta and dG follow the
+# loop as in ``local``.
+#
+# ``group`` (GROUP): one program per chunk and key head, over its HV // HK value heads in order, summing their
+# dq and dk in registers (deterministic, no atomics), then, with the in-kernel l2norm, its backward; dq and dk
+# are stored once, [B, T, HK, K] in the inputs' dtype (no fp32 per-value-head dq / dk, no l2norm backward
+# launches). To hold the sums in the V loop's own accumulators, each product's row scaling goes onto its V tile
+# first: dq += (scale e^G dO) S0^T and dk += (e^(G_last - G) U) dS1^T - (beta e^G dY) S0^T. The row sums that
+# dG and dbeta take from one head's products are taken over V instead: rowsum((dO S0^T) * Q) = rowsum(dO * (Q S0)),
+# rowsum((U dS1^T) * K) = rowsum(U * (K dS1)), rowsum((dY S0^T) * K) = rowsum(dY * (K S0)).
 
 
 @triton.jit
-def _gdn_bwd_chunk_terms(b_dP, b_dL, b_q, b_k, b_G, b_beta, m_t, scale, BT: tl.constexpr):
-    """The terms of one chunk and value head that contract over its rows only, from dP = dO U^T and
-    dL = -(A^T dU) U^T: (dP Gamma and dR in the input precision, their shares of dG, dL's share of dbeta)."""
-    dt = b_q.dtype
+def _store_dbeta_dg(b_dbeta, b_dG, rows, m_t, i_c, i_h, beta_ptr, dbeta_ptr, dg_ptr, g_ptr, A_log_ptr, dt_bias_ptr,
+                    dA_log_ptr, ddt_bias_ptr, HV: tl.constexpr, GATE: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+                    BETA_MODE: tl.constexpr):
+    """The two-pass kernel's tail (its copy), for the one-pass forms: store one chunk's and value head's dbeta
+    and dg from dbeta (of beta) and dG (of the cumulative log decay G): dg is dG's reverse cumulative sum inside the
+    chunk; with BETA_MODE / GATE, the gradients of the logits / of the raw gate, and the chunk's shares of the
+    A_log and dt_bias gradients."""
+    # beta reloaded rather than kept live through the kernel's loops (registers).
+    b_braw = tl.load(beta_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+    b_dg = tl.sum(b_dG, 0) - tl.cumsum(b_dG, 0) + b_dG
+
+    if BETA_MODE != 0:  # d beta / d logit = s * sigmoid * (1 - sigmoid), s = 1 or 2
+        b_sig = tl.sigmoid(b_braw)
+        b_dbeta = b_dbeta * (b_sig * (1.0 - b_sig) * BETA_MODE)
+    tl.store(dbeta_ptr + rows * HV + i_h, b_dbeta, mask=m_t)
+    if GATE:
+        # decay = -exp(A_log) softplus(x), x = g + dt_bias: d/dx = -exp(A_log) sigmoid(x), d/dA_log = decay,
+        # both 0 where the forward floored the decay. exp(A_log) sigmoid(x) is taken as
+        # exp(A_log + logsigmoid(x)): below the floor it is at most exp(LOG_GATE_DECAY_CAP) (sigmoid <= softplus).
+        b_x = tl.load(g_ptr + rows * HV + i_h, mask=m_t, other=0).to(tl.float32)
+        if HAS_DT_BIAS:
+            b_x = b_x + tl.load(dt_bias_ptr + i_h).to(tl.float32)
+        b_A = tl.load(A_log_ptr + i_h).to(tl.float32)
+        b_e = gdn_gate_exponent(b_x, b_A)
+        b_free = m_t & ~(b_e > LOG_GATE_DECAY_CAP)  # NaN exponents stay: their gradients are NaN
+        b_dA_log = tl.sum(tl.where(b_free, b_dg * -tl.exp(b_e), 0.0), 0)
+        b_logsig = tl.minimum(b_x, 0.0) - tl.log(1.0 + tl.exp(-tl.abs(b_x)))
+        b_dg = tl.where(b_free, b_dg * -tl.exp(b_A + b_logsig), 0.0)
+        tl.store(dA_log_ptr + i_c * HV + i_h, b_dA_log)
+        if HAS_DT_BIAS:
+            tl.store(ddt_bias_ptr + i_c * HV + i_h, tl.sum(b_dg, 0))
+    tl.store(dg_ptr + rows * HV + i_h, b_dg, mask=m_t)
+
+
+@triton.jit
+def _gdn_bwd_attn_terms(b_dP, b_q, b_k, b_G, m_t, scale, BT: tl.constexpr):
+    """The intra-chunk attention term of one chunk and value head from dP = dO U^T: (dP Gamma in the input
+    precision, its share of dG)."""
     o_i = tl.arange(0, BT)
-    # Intra-chunk attention term.
     causal = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
     gamma = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], 0.0))
     b_dPG = tl.where(causal, b_dP * scale * gamma, 0.0)
     b_t = b_dPG * tl.dot(b_q, tl.trans(b_k))
-    b_dG = tl.sum(b_t, 1) - tl.sum(b_t, 0)
-    # The inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij.
+    return b_dPG.to(b_q.dtype), tl.sum(b_t, 1) - tl.sum(b_t, 0)
+
+
+@triton.jit
+def _gdn_bwd_inverse_terms(b_dL, b_k, b_G, b_beta, m_t, BT: tl.constexpr):
+    """The terms of the inverse's input L = strictly lower beta_i (K K^T)_ij Gamma_ij of one chunk and value head
+    from dL = -(A^T dU) U^T: (dR = dL beta_i Gamma_ij in the input precision, its share of dG, of dbeta)."""
+    o_i = tl.arange(0, BT)
     strict = (o_i[:, None] > o_i[None, :]) & m_t[:, None] & m_t[None, :]
     b_dL = tl.where(strict, b_dL, 0.0)
     gamma_s = tl.where(strict, tl.exp(tl.where(strict, b_G[:, None] - b_G[None, :], 0.0)), 0.0)
@@ -310,8 +342,15 @@ def _gdn_bwd_chunk_terms(b_dP, b_dL, b_q, b_k, b_G, b_beta, m_t, scale, BT: tl.c
     b_dR = b_dLg * b_beta[:, None]
     b_kk = tl.dot(b_k, tl.trans(b_k))
     b_t3 = b_dR * b_kk
-    b_dG += tl.sum(b_t3, 1) - tl.sum(b_t3, 0)
-    return b_dPG.to(dt), b_dR.to(dt), b_dG, tl.sum(b_dLg * b_kk, 1)
+    return b_dR.to(b_k.dtype), tl.sum(b_t3, 1) - tl.sum(b_t3, 0), tl.sum(b_dLg * b_kk, 1)
+
+
+@triton.jit
+def _gdn_bwd_chunk_terms(b_dP, b_dL, b_q, b_k, b_G, b_beta, m_t, scale, BT: tl.constexpr):
+    """``_gdn_bwd_attn_terms`` then ``_gdn_bwd_inverse_terms``: (dP Gamma, dR, their shares of dG, dL's of dbeta)."""
+    b_dPGd, b_dG = _gdn_bwd_attn_terms(b_dP, b_q, b_k, b_G, m_t, scale, BT)
+    b_dRd, b_dGL, b_dbL = _gdn_bwd_inverse_terms(b_dL, b_k, b_G, b_beta, m_t, BT)
+    return b_dPGd, b_dRd, b_dG + b_dGL, b_dbL
 
 
 @triton.jit
@@ -392,11 +431,12 @@ def _gdn_bwd_onepass_head(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_ptr,
     b_dk = tl.dot(tl.trans(b_dPGd), b_q) + b_dks * b_edec[:, None]
     b_t2 = tl.sum(b_dks * b_kf, 1) * b_edec
     b_dG -= b_t2
-    # WY representation: w = A X, X = diag(beta e^G) K, then A = (I + L)^-1 (L's share above).
+    # WY representation: w = A X, X = diag(beta e^G) K.
     b_dk += b_dX * b_bg[:, None]
     b_dXk = tl.sum(b_dX * b_kf, 1)
     b_dbeta += b_dXk * b_eG
     b_dG += b_dXk * b_bg
+    # A = (I + L)^-1: L's gradient.
     b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
     tl.store(dk_ptr + p_d, b_dk, mask=m_tk)
 
@@ -472,12 +512,14 @@ def _gdn_bwd_group_head(b_q, b_k, b_dq, b_dk, v_ptr, beta_ptr, gcum_ptr, A_ptr, 
         b_dk -= tl.dot((b_dY * b_bg[:, None]).to(dt), tl.trans(b_h))
         b_rx += tl.sum(b_dY * tl.dot(b_k, b_h), 1)
 
-    b_dPGd, b_dRd, b_dG, b_dbL = _gdn_bwd_chunk_terms(b_dP, b_dL, b_q, b_k, b_G, b_beta, m_t, scale, BT)
+    b_dPGd, b_dG = _gdn_bwd_attn_terms(b_dP, b_q, b_k, b_G, m_t, scale, BT)
+    b_dq += tl.dot(b_dPGd, b_k)
+    b_dk += tl.dot(tl.trans(b_dPGd), b_q)
+    b_dRd, b_dGL, b_dbL = _gdn_bwd_inverse_terms(b_dL, b_k, b_G, b_beta, m_t, BT)
+    b_dk += tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
     b_dbeta += b_dbL - b_rx * b_eG
     b_t2 = b_rk * b_edec
-    b_dG += b_rq * b_sq - b_t2 - b_rx * b_bg
-    b_dq += tl.dot(b_dPGd, b_k)
-    b_dk += tl.dot(tl.trans(b_dPGd), b_q) + tl.dot(b_dRd, b_k) + tl.dot(tl.trans(b_dRd), b_k)
+    b_dG += b_dGL + b_rq * b_sq - b_t2 - b_rx * b_bg
 
     b_dGlast = tl.exp(b_Glast) * tl.sum(b_hdh, 0) + tl.sum(b_t2, 0)
     b_dG += tl.where(o_t == last, b_dGlast, 0.0)
