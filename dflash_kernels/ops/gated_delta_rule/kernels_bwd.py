@@ -538,11 +538,11 @@ def _gdn_bwd_onepass_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gcum_ptr, A_ptr, h_pt
                             GATE: tl.constexpr = False, HAS_DT_BIAS: tl.constexpr = False,
                             BETA_MODE: tl.constexpr = 0, GROUP: tl.constexpr = False, L2NORM: tl.constexpr = False):
     # Without GROUP: one program per (chunk, value head), dq and dk stored per value head in fp32 ([B, T, HV, K],
-    # summed over each key head's group and put through the l2norm backward on the host), as the two-pass kernel.
+    # summed over each key head's group by the launcher's l2norm backward, or on the host), as the two-pass kernel.
     # GROUP: one program per (chunk, key head) running its HV // HK value heads in order and summing their dq
     # and dk in registers (a fixed order: deterministic, no atomics); with L2NORM the l2norm backward follows
     # (q_in, k_in: the raw inputs, rows SQ / SK apart; q_rstd, k_rstd [B, T, HK]), and dq, dk are stored once,
-    # in their dtype, [B, T, HK, K]. Both: the same per-head results (dv, dbeta, dg) and the same products.
+    # in their dtype, [B, T, HK, K]. Both store dv, dbeta and dg (and the gate's shares) per value head.
     # The V loop's block: 32 whenever K's block is 32, as in the two-pass kernel, whose sm_90 build at BK = 32
     # with one V iteration of 16 or 64 accessed shared memory out of range (see there).
     VB: tl.constexpr = 32 if BK == 32 else BV
