@@ -14,6 +14,7 @@ Environment variables (read at import, overridable from Python):
   (``dflash_kernels/runtime/tuned/``; :mod:`dflash_kernels.runtime.tuning`) and time every key here.
 - ``DFLASH_KERNELS_GDN_SAVE_STATES=1``, ``DFLASH_KERNELS_GDN_FWD_SPLIT=1|0``: the GDN forward's variants
   (:func:`gdn_save_states`, :func:`gdn_fwd_split`).
+- ``DFLASH_KERNELS_GDN_BWD_LOCAL=twopass|onepass|group``: the GDN backward's local kernel (:func:`gdn_bwd_local`).
 """
 
 import contextlib
@@ -58,6 +59,21 @@ def gdn_fwd_split():
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"DFLASH_KERNELS_GDN_FWD_SPLIT: expected 1, 0 or auto, got {value!r}")
+
+
+GDN_BWD_LOCAL_MODES = ("twopass", "onepass", "group")
+
+
+def gdn_bwd_local() -> str:
+    """``DFLASH_KERNELS_GDN_BWD_LOCAL``: which local kernel the GDN backward runs. ``twopass`` (default): one
+    pass over V, then one per column block of K; ``onepass``: a single pass over V with K whole; ``group``: the
+    one-pass kernel per key head, summing its value heads' dq and dk and applying the l2norm backward itself.
+    Another value raises ValueError naming it."""
+    value = os.environ.get("DFLASH_KERNELS_GDN_BWD_LOCAL", "twopass").strip().lower() or "twopass"
+    if value not in GDN_BWD_LOCAL_MODES:
+        raise ValueError(f"DFLASH_KERNELS_GDN_BWD_LOCAL: expected one of {', '.join(GDN_BWD_LOCAL_MODES)}, "
+                         f"got {value!r}")
+    return value
 
 
 def interpreting() -> bool:

@@ -75,7 +75,8 @@ KNOWN = {
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
     "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
-    "gdn_fwd_output", "gdn_fwd_output_fp32",
+    "gdn_fwd_output", "gdn_fwd_output_fp32", "gdn_bwd_onepass", "gdn_bwd_onepass_fp32", "gdn_bwd_onepass_group",
+    "gdn_bwd_onepass_group_fp32",
     "linear_ce_rows", "adamw",
     "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
     "rope", "swiglu_fwd", "swiglu_bwd",
@@ -205,10 +206,11 @@ def _conv1d_update(size, dtype):
     assert torch.equal(state, state_ref), "conv_state after the update"
 
 
-def _gdn_forward(split: str):
+def _gdn_forward(split: str, local: str = "twopass"):
     """The chunked op, forward and backward, with the forward forced fused (``"0"``: its scan writes the
     output) or split (``"1"``: the state scan, then the output kernel), whatever the library would pick
-    for the shape (it splits for few sequences and heads on a GPU)."""
+    for the shape (it splits for few sequences and heads on a GPU), and the backward's local kernel
+    ``local`` (``DFLASH_KERNELS_GDN_BWD_LOCAL``)."""
     def driver(size, dtype):
         import os
         from unittest import mock
@@ -216,12 +218,14 @@ def _gdn_forward(split: str):
         from tests.ops.test_gated_delta_rule import _compare, _inputs
 
         shape = (1, 1024, 4, 8, 128, 128) if size == "real" else (2, 333, 2, 6, 128, 128)
-        with mock.patch.dict(os.environ, {"DFLASH_KERNELS_GDN_FWD_SPLIT": split}):
+        env = {"DFLASH_KERNELS_GDN_FWD_SPLIT": split, "DFLASH_KERNELS_GDN_BWD_LOCAL": local}
+        with mock.patch.dict(os.environ, env):
             _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
     return driver
 
 
 _gdn_chunk, _gdn_split = _gdn_forward("0"), _gdn_forward("1")
+_gdn_onepass, _gdn_group = _gdn_forward("0", "onepass"), _gdn_forward("0", "group")
 
 
 def _gdn_recurrent(size, dtype):
@@ -385,6 +389,8 @@ DRIVERS = {
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
        + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},
     "gdn_recurrent": _gdn_recurrent, "gdn_fwd_output": _gdn_split, "gdn_fwd_output_fp32": _gdn_split,
+    "gdn_bwd_onepass": _gdn_onepass, "gdn_bwd_onepass_fp32": _gdn_onepass,
+    "gdn_bwd_onepass_group": _gdn_group, "gdn_bwd_onepass_group_fp32": _gdn_group,
     "linear_ce_rows": _linear_cross_entropy, "adamw": _adamw,
     "rms_norm_fwd_narrow": _rms_norm(True), "rms_norm_bwd_narrow": _rms_norm(True),
     "rms_norm_fwd_wide": _rms_norm(False), "rms_norm_bwd_wide": _rms_norm(False),

@@ -4,6 +4,7 @@ Outputs, final states and every gradient (q, k, v, g, beta, initial_state) are c
 ``naive.py`` by relative error. On the CPU the kernels run through the Triton interpreter
 (TRITON_INTERPRET=1) at small sizes; tests marked ``gpu`` repeat them at real sizes on CUDA.
 Output buffers are NaN-poisoned by the suite (tests/conftest.py), so an unwritten element fails.
+The backward's local kernel runs in each of its modes (``DFLASH_KERNELS_GDN_BWD_LOCAL``: ``use_bwd_local``).
 """
 
 import threading
@@ -117,11 +118,48 @@ def _params(cases, default):
     return [slow_param(*c[1:], id=c[0], slow=c[0] not in default) for c in cases]
 
 
-@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", _params(CASES, (
-    "T64-fp32-boundary", "T130-bf16-nol2", "T128-bf16-gqa-l2-h0", "T70-fp32-gqa3-nol2")))
-def test_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
+# The backward's local kernel: DFLASH_KERNELS_GDN_BWD_LOCAL -> the launcher module's kernel it launches.
+BWD_LOCAL = {"twopass": "gdn_bwd_local_kernel", "onepass": "gdn_bwd_onepass_kernel", "group": "gdn_bwd_group_kernel"}
+
+
+class _Launches:
+    """Stands in for one local kernel's ``ByPrecision`` in the launcher's module, recording each launch's mode."""
+
+    def __init__(self, real, mode, launched):
+        self.real, self.mode, self.launched = real, mode, launched
+
+    def of(self, x):
+        self.launched.append(self.mode)
+        return self.real.of(x)
+
+
+def use_bwd_local(monkeypatch, mode):
+    """Make the backward run local kernel ``mode`` (``DFLASH_KERNELS_GDN_BWD_LOCAL``); returns the list of the
+    modes of the local kernels launched from then on, for the caller to check that ``mode`` alone ran."""
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_BWD_LOCAL", mode)
+    launched = []
+    for name, attr in BWD_LOCAL.items():
+        monkeypatch.setattr(gdn_module, attr, _Launches(getattr(gdn_module, attr), name, launched))
+    return launched
+
+
+def _mode_params(cases, default):
+    """``(mode, *case)`` params for every mode of ``BWD_LOCAL`` and case; ``default``: mode -> the case ids
+    that run by default, the others only under ``-m slow``."""
+    assert set(default) == set(BWD_LOCAL) and all(set(d) <= {c[0] for c in cases} for d in default.values())
+    return [slow_param(mode, *c[1:], id=f"{c[0]}-{mode}", slow=c[0] not in default[mode])
+            for mode in BWD_LOCAL for c in cases]
+
+
+@pytest.mark.parametrize("local,B,T,Hk,Hv,K,V,dtype,l2,h0,final", _mode_params(CASES, {
+    "twopass": ("T64-fp32-boundary", "T130-bf16-nol2", "T128-bf16-gqa-l2-h0", "T70-fp32-gqa3-nol2"),
+    "onepass": ("T63-fp32-gqa-l2-h0", "T130-bf16-nol2"),
+    "group": ("T63-fp32-gqa-l2-h0", "T70-bf16-gqa3-l2", "T70-fp32-gqa3-nol2")}))
+def test_chunk_matches_reference(monkeypatch, local, B, T, Hk, Hv, K, V, dtype, l2, h0, final):
+    launched = use_bwd_local(monkeypatch, local)
     tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, normalized=not l2)
     _compare(tensors, dict(use_qk_l2norm_in_kernel=l2), final, dtype)
+    assert launched and set(launched) == {local}, launched
 
 
 @pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,h0,final", _params(CASES[::2], ("T70-fp32-gqa3-nol2",)))
@@ -291,13 +329,92 @@ def test_row_strided_views_read_in_place(B, l2):
                                                        use_qk_l2norm_in_kernel=l2)[0]) <= _tol(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chunk_varlen(dtype):
+@pytest.mark.parametrize("local,dtype", [
+    pytest.param(m, d, id=f"{m}-{n}", marks=pytest.mark.slow if (m, n) in (("onepass", "fp32"), ("group", "bf16"))
+                 else ()) for m in BWD_LOCAL for d, n in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))])
+def test_chunk_varlen(monkeypatch, local, dtype):
     # Uneven packed sequences: shorter than a chunk, exactly one chunk, empty, off the boundary.
+    launched = use_bwd_local(monkeypatch, local)
     bounds = [0, 30, 94, 94, 160]
     cu_seqlens = torch.tensor(bounds, dtype=torch.long, device=device())
     tensors = _inputs(1, bounds[-1], 1, 2, 16, 16, dtype, h0=True, N=len(bounds) - 1)
     _compare(tensors, dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens), True, dtype)
+    assert launched and set(launched) == {local}, launched
+
+
+# (id, B, T, Hk, Hv, K, V, dtype, l2, varlen bounds or None): the cases on which every mode must give twopass's
+# gradients (beside the reference's): GQA 2 and 3, odd lengths, packed sequences, l2norm on and off
+AGREE_CASES = [
+    ("T63-fp32-gqa2-l2", 2, 63, 1, 2, 16, 16, torch.float32, True, None),
+    ("varlen-bf16-gqa3-nol2", 1, 150, 1, 3, 16, 32, torch.bfloat16, False, (0, 17, 81, 150)),
+    ("T130-bf16-gqa2-l2-K32", 1, 130, 2, 4, 32, 16, torch.bfloat16, True, None),
+]
+
+
+@pytest.mark.parametrize("local", ["onepass", "group"])
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,l2,bounds", _params(AGREE_CASES, ("T63-fp32-gqa2-l2",
+                                                                               "varlen-bf16-gqa3-nol2")))
+def test_bwd_local_modes_agree(monkeypatch, local, B, T, Hk, Hv, K, V, dtype, l2, bounds):
+    """``onepass`` and ``group`` against ``twopass`` on the same inputs: every gradient within a rounding of the
+    products (fp32: the order of the sums; bf16: dA^T dw formed as (A^T dU) S0^T, and in ``group`` the row
+    scalings applied to the bf16 tiles), with the initial state's gradient and the final state's."""
+    cu = None if bounds is None else torch.tensor(bounds, dtype=torch.long, device=device())
+    N = B if cu is None else len(bounds) - 1
+    tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=True, N=N, normalized=not l2)
+    do = torch.randn(*tensors[2].shape, device=device())
+    dht = torch.randn(N, Hv, K, V, device=device())
+    kwargs = dict(use_qk_l2norm_in_kernel=l2, cu_seqlens=cu)
+    results = {}
+    for mode in ("twopass", local):
+        with monkeypatch.context() as m:
+            launched = use_bwd_local(m, mode)
+            results[mode] = _run(chunk_gated_delta_rule, tensors, kwargs, True, do, dht)
+            assert set(launched) == {mode}, launched
+    tol = 1e-5 if dtype == torch.float32 and device().type == "cpu" else 1e-2
+    assert torch.equal(results[local][0], results["twopass"][0])  # the forward does not depend on the mode
+    for name, grad in results["twopass"][2].items():
+        got = results[local][2][name]
+        assert got.dtype == grad.dtype and got.shape == grad.shape, name
+        assert rel_err(got, grad) <= tol, (name, rel_err(got, grad))
+    with monkeypatch.context() as m:
+        use_bwd_local(m, local)
+        _compare(tensors, kwargs, True, dtype)
+
+
+@pytest.mark.parametrize("local", list(BWD_LOCAL))
+def test_bwd_local_nonfinite_stays_in_its_sequence(monkeypatch, local):
+    """A NaN in one packed sequence's v: each mode's gradients are NaN exactly where twopass's are (nowhere in
+    the other sequences), and equal to twopass's elsewhere up to rounding."""
+    bounds = [0, 40, 130]
+    cu = torch.tensor(bounds, dtype=torch.long, device=device())
+    tensors = list(_inputs(1, bounds[-1], 1, 2, 16, 16, torch.float32, h0=True, N=2, normalized=False))
+    tensors[2] = tensors[2].clone()
+    tensors[2][0, 90, 1, 5] = float("nan")  # sequence 1, value head 1
+    do = torch.randn(*tensors[2].shape, device=device())
+    dht = torch.randn(2, 2, 16, 16, device=device())
+    kwargs = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    results = {}
+    for mode in dict.fromkeys(("twopass", local)):
+        with monkeypatch.context() as m:
+            use_bwd_local(m, mode)
+            results[mode] = _run(chunk_gated_delta_rule, tensors, kwargs, True, do, dht)[2]
+    for name, grad in results["twopass"].items():
+        got = results[local][name]
+        assert torch.equal(torch.isnan(got), torch.isnan(grad)), name
+        if name != "h0":
+            assert not torch.isnan(got[:, :40]).any(), name
+        assert rel_err(got.nan_to_num(), grad.nan_to_num()) <= 1e-5, name
+    assert not torch.isnan(results[local]["h0"][0]).any()
+
+
+def test_bwd_local_bad_value(monkeypatch):
+    """DFLASH_KERNELS_GDN_BWD_LOCAL other than twopass, onepass or group: the backward raises, naming both."""
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_BWD_LOCAL", "threepass")
+    q, k, v, g, beta, _ = _inputs(1, 20, 1, 1, 16, 16, torch.float32)
+    q.requires_grad_()
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta)  # the forward does not read it
+    with pytest.raises(ValueError, match="DFLASH_KERNELS_GDN_BWD_LOCAL.*threepass"):
+        torch.autograd.grad(o.sum(), q)
 
 
 def test_chunk_scale_and_no_grad_state():
@@ -418,7 +535,11 @@ def test_gpu_chunk_matches_reference(B, T, Hk, Hv, K, V, dtype, l2, h0, final):
 
 _SCANS = {"state_output": kernels_fwd.gdn_fwd_scan_kernel.default,
           "bwd_state": kernels_bwd.gdn_bwd_state_kernel.default,
-          "bwd_local": kernels_bwd.gdn_bwd_local_kernel.default}
+          "bwd_local": kernels_bwd.gdn_bwd_local_kernel.default,
+          "bwd_onepass": kernels_bwd.gdn_bwd_onepass_kernel.default,
+          "bwd_group": kernels_bwd.gdn_bwd_group_kernel.default}
+# The local kernels launched only in their DFLASH_KERNELS_GDN_BWD_LOCAL mode.
+_SCAN_MODES = {"bwd_onepass": "onepass", "bwd_group": "group"}
 
 
 @pytest.mark.gpu
@@ -430,6 +551,7 @@ def test_gpu_every_scan_candidate(monkeypatch, name, index):
     kernel = _SCANS[name]
     monkeypatch.setattr(kernel, "configs", [kernel.configs[index]])
     monkeypatch.setenv("DFLASH_KERNELS_GDN_FWD_SPLIT", "0")  # the fused scan (auto splits at 1 x 6 heads)
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_BWD_LOCAL", _SCAN_MODES.get(name, "twopass"))
     kernel.reset()
     try:
         tensors = _inputs(1, 333, 2, 6, 128, 128, torch.bfloat16, h0=True)
@@ -493,19 +615,26 @@ def test_gpu_threads_on_fresh_shapes():
             assert rel_err(grads[name], rgrads[name]) <= _tol(torch.bfloat16, grad=True), name
 
 
-@pytest.mark.parametrize("K", [128, 256])
-def test_backward_local_kernel_fits_hopper_shared_memory(K):
-    """Every bf16 candidate of the backward's local kernel fits Hopper's shared memory, K=256
+@pytest.mark.parametrize("kernel,K", [("gdn_bwd_local_kernel", 128), ("gdn_bwd_local_kernel", 256),
+                                      slow_param("gdn_bwd_onepass_kernel", 128), ("gdn_bwd_onepass_kernel", 256),
+                                      slow_param("gdn_bwd_group_kernel", 128), ("gdn_bwd_group_kernel", 256)])
+def test_backward_local_kernel_fits_hopper_shared_memory(kernel, K):
+    """Every bf16 candidate of the backward's local kernels fits Hopper's shared memory, K=256
     included (compiled for sm_90 with Triton's toolchain: no GPU needed): with fp32 K-wide operands
-    in its dots it would not fit at K=256."""
+    in its dots the two-pass kernel would not fit at K=256."""
     from tests.helpers import H200_SHARED_MEMORY, hopper_shared_memory
 
-    types = {n: "*fp32" for n in ("gcum_ptr", "dq_ptr", "dk_ptr", "dbeta_ptr", "dg_ptr", "A_ptr")}
+    group = kernel == "gdn_bwd_group_kernel"  # dq and dk in the inputs' dtype, [B, T, Hk, K]
+    types = {n: "*fp32" for n in ("gcum_ptr", "dbeta_ptr", "dg_ptr", "A_ptr", "q_rstd_ptr", "k_rstd_ptr")}
     types.update({p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "h_ptr", "dh_ptr", "vnew_ptr",
-                                       "dvnew_ptr", "do_ptr", "dv_ptr")})
+                                       "dvnew_ptr", "do_ptr", "dv_ptr", "q_in_ptr", "k_in_ptr")})
+    types.update({p: "*bf16" if group else "*fp32" for p in ("dq_ptr", "dk_ptr")})
     types.update({"cu_seqlens_ptr": "*i32", "chunk_indices_ptr": "*i32", "scale": "fp32"})
-    configs = kernels_bwd.gdn_bwd_local_kernel.default.configs
+    wrapper = getattr(kernels_bwd, kernel).default
+    configs = wrapper.configs
     consts = dict(HK=16, HV=48, K=K, V=K, BT=64, BK=K, IS_VARLEN=False)
-    smem = hopper_shared_memory("dflash_kernels.ops.gated_delta_rule.kernels_bwd", "_gdn_bwd_local_kernel",
+    if group:
+        consts.update(GROUP=True, L2NORM=True)
+    smem = hopper_shared_memory("dflash_kernels.ops.gated_delta_rule.kernels_bwd", wrapper.fn.fn.__name__,
                                 types, consts, [(c.num_warps, c.num_stages, dict(c.meta)) for c in configs])
     assert len(smem) == len(configs) and all(0 < b <= H200_SHARED_MEMORY for b in smem), list(zip(configs, smem))

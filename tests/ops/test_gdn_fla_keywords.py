@@ -207,17 +207,27 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,opts,h0,final,bias", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_chunk_options(B, T, Hk, Hv, K, V, dtype, opts, h0, final, bias):
+# The backward's local kernel modes (test_gated_delta_rule.use_bwd_local): each case in twopass, a few in the others.
+_MODE_DEFAULT = {"twopass": {c[0] for c in CASES}, "onepass": {"T70-fp32-gate-nobias-negeig-vfirst"},
+                 "group": {"T63-fp32-gate-sigmoid-h0", "T65-bf16-gate-negeig-vfirst"}}
+
+
+@pytest.mark.parametrize("local,B,T,Hk,Hv,K,V,dtype,opts,h0,final,bias", [
+    slow_param(m, *c[1:], id=f"{c[0]}-{m}", slow=c[0] not in _MODE_DEFAULT[m]) for m in _MODE_DEFAULT for c in CASES])
+def test_chunk_options(monkeypatch, local, B, T, Hk, Hv, K, V, dtype, opts, h0, final, bias):
+    from tests.ops.test_gated_delta_rule import use_bwd_local
+
+    launched = use_bwd_local(monkeypatch, local)
     kwargs = _kwargs(opts)
     tensors = _inputs(B, T, Hk, Hv, K, V, dtype, h0=h0, state_v_first=kwargs.get("state_v_first", False),
                       dt_bias=bias)
     _compare(_prepare(tensors, kwargs), kwargs, final, dtype)
+    assert launched and set(launched) == {local}, launched
 
 
-@pytest.mark.parametrize("meta", [slow_param("cu_seqlens_cpu"), slow_param("chunk_indices"), "both"])
-def test_chunk_varlen_metadata(monkeypatch, meta):
+@pytest.mark.parametrize("meta,local", [slow_param("cu_seqlens_cpu", "twopass"), slow_param("chunk_indices", "twopass"),
+                                        ("both", "twopass"), slow_param("both", "onepass"), ("both", "group")])
+def test_chunk_varlen_metadata(monkeypatch, meta, local):
     # Packed sequences (short, one chunk, empty, off the boundary), V-first states, the fused gate and
     # sigmoid; the metadata given in each of fla's forms, and cu_seqlens never copied to the host.
     bounds = [0, 30, 94, 94, 160]
@@ -230,6 +240,9 @@ def test_chunk_varlen_metadata(monkeypatch, meta):
         kwargs["chunk_indices"] = prepare_chunk_indices(cu_seqlens)
     tensors = _inputs(1, bounds[-1], 1, 2, 16, 16, torch.float32, h0=True, N=len(bounds) - 1, state_v_first=True)
     from dflash_kernels.ops.gated_delta_rule import checks, gated_delta_rule as gdn_module
+    from tests.ops.test_gated_delta_rule import use_bwd_local
+
+    launched = use_bwd_local(monkeypatch, local)
 
     real_tolist = torch.Tensor.tolist
 
@@ -250,6 +263,7 @@ def test_chunk_varlen_metadata(monkeypatch, meta):
                     torch.ones(4, 2, 16, 16, device=device()))
     assert ours[0].shape == (1, 160, 2, 16) and checks is not None
     _compare(tensors, kwargs, True, torch.float32)
+    assert launched and set(launched) == {local}, launched
 
 
 def test_chunk_mixed_dtypes():

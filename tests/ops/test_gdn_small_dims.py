@@ -1,10 +1,12 @@
-"""Every ``gdn_bwd_local`` candidate forced alone at small head dims (K = 32; V = 16 or 32, narrower than BV).
+"""Every candidate of the backward's local kernels (``gdn_bwd_local``, and ``gdn_bwd_onepass`` in its two modes,
+``DFLASH_KERNELS_GDN_BWD_LOCAL=onepass`` / ``group``) forced alone at small head dims (K = 32; V = 16 or 32,
+narrower than BV).
 
 On sm_90 (triton 3.6) the kernel at BK = 32 with a V block of 64 (or 16) over a single V iteration
 compiles to an out-of-range shared-memory access (compute-sanitizer: kernels_bwd.py, the ``b_kf`` line of
 the K-block loop): garbage dk, dg and dbeta when forced alone, an illegal memory access that kills the CUDA
 context when the tuner times it (tests/ops/test_gated_delta_rule.py::test_chunk_matches_reference
-[T130-bf16-nol2] on a fresh tuning cache). So the kernel runs its V loops in blocks of 32 whenever BK is 32.
+[T130-bf16-nol2] on a fresh tuning cache). So the kernels run their V loops in blocks of 32 whenever BK is 32.
 
 Each case forces one candidate (on the CPU the interpreter's config, on a GPU the only config with tuning
 off), runs the op forward and backward with the suite's NaN-poisoned outputs, and checks every gradient
@@ -27,8 +29,9 @@ OUTPUTS = ("dq_ptr", "dk_ptr", "dv_ptr", "dbeta_ptr", "dg_ptr", "dA_log_ptr", "d
 
 
 class _Guarded:
-    """Stands in for ``gdn_bwd_local_kernel`` in the launcher's module: launches the real kernel on copies of
-    its tensor arguments inside NaN guard regions, checks the guards and the inputs, copies the outputs back."""
+    """Stands in for a local kernel (``gdn_bwd_local_kernel``, ...) in the launcher's module: launches the real
+    kernel on copies of its tensor arguments inside NaN guard regions, checks the guards and the inputs, copies
+    the outputs back."""
 
     def __init__(self, real):
         self.real = real
@@ -64,27 +67,38 @@ class _Guarded:
         return launch
 
 
+# DFLASH_KERNELS_GDN_BWD_LOCAL -> the launcher module's attribute of the local kernel it launches
+LOCAL = {"twopass": "gdn_bwd_local_kernel", "onepass": "gdn_bwd_onepass_kernel", "group": "gdn_bwd_group_kernel"}
+
+
 def _candidates():
-    for dtype, kernel in ((torch.bfloat16, kernels_bwd.gdn_bwd_local_kernel.default),
-                          (torch.float32, kernels_bwd.gdn_bwd_local_kernel.fp32)):
-        tag = "bf16" if dtype == torch.bfloat16 else "fp32"
-        for i, config in enumerate(kernel.configs):
-            yield pytest.param(dtype, i, id=f"{tag}-{i}-BV{config.meta['BV']}-BKB{config.meta['BKB']}")
+    """Every candidate of the two-pass kernel by default; of the one-pass kernel's modes the first of each
+    precision, the others under ``-m slow``."""
+    for mode, attr in LOCAL.items():
+        for dtype in (torch.bfloat16, torch.float32):
+            kernel = getattr(kernels_bwd, attr).of(torch.empty(0, dtype=dtype))
+            tag = "bf16" if dtype == torch.bfloat16 else "fp32"
+            for i, config in enumerate(kernel.configs):
+                bkb = f"-BKB{config.meta['BKB']}" if "BKB" in config.meta else ""
+                prefix = "" if mode == "twopass" else f"{mode}-"
+                yield slow_param(mode, dtype, i, id=f"{prefix}{tag}-{i}-BV{config.meta['BV']}{bkb}",
+                                 slow=mode != "twopass" and i > 0)
 
 
 # (id, B, T, Hk, Hv, K, V): K = 32 (BK = 32), V narrower than BV = 64 and BKB = 64; T not a multiple of 64
 SHAPES = [("K32-V16", 1, 130, 2, 4, 32, 16), ("K32-V32", 1, 130, 2, 4, 32, 32)]
 
 
-def _force(monkeypatch, dtype, index):
-    kernel = kernels_bwd.gdn_bwd_local_kernel.of(torch.empty(0, dtype=dtype))
+def _force(monkeypatch, dtype, index, mode="twopass"):
+    kernel = getattr(kernels_bwd, LOCAL[mode]).of(torch.empty(0, dtype=dtype))
     config = kernel.configs[index]
     monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
+    monkeypatch.setenv("DFLASH_KERNELS_GDN_BWD_LOCAL", mode)
     monkeypatch.setattr(kernel, "configs", [config])
     monkeypatch.setattr(kernel, "interpret_config", config)  # the interpreter launches this one
     kernel.reset()
-    guarded = _Guarded(kernels_bwd.gdn_bwd_local_kernel)
-    monkeypatch.setattr(gdn_module, "gdn_bwd_local_kernel", guarded)
+    guarded = _Guarded(getattr(kernels_bwd, LOCAL[mode]))
+    monkeypatch.setattr(gdn_module, LOCAL[mode], guarded)
     return kernel, config, guarded
 
 
@@ -97,10 +111,10 @@ def _grads(shape, dtype):
 
 
 @pytest.mark.parametrize("B,T,Hk,Hv,K,V", [slow_param(*s[1:], id=s[0], slow=s[0] != "K32-V16") for s in SHAPES])
-@pytest.mark.parametrize("dtype,index", list(_candidates()))
-def test_every_local_candidate_small_dims(monkeypatch, dtype, index, B, T, Hk, Hv, K, V):
+@pytest.mark.parametrize("mode,dtype,index", list(_candidates()))
+def test_every_local_candidate_small_dims(monkeypatch, mode, dtype, index, B, T, Hk, Hv, K, V):
     assert alloc.poisoning(), "the suite NaN-fills the launchers' outputs (tests/conftest.py)"
-    kernel, config, guarded = _force(monkeypatch, dtype, index)
+    kernel, config, guarded = _force(monkeypatch, dtype, index, mode)
     try:
         torch.manual_seed(0)
         tensors = _inputs(B, T, Hk, Hv, K, V, dtype, normalized=True)
@@ -109,7 +123,7 @@ def test_every_local_candidate_small_dims(monkeypatch, dtype, index, B, T, Hk, H
             torch.cuda.synchronize()
         used = [e["config"] for e in kernel.cache_info().values()]
         assert used and all(c == config.as_dict() for c in used), f"ran {used}, not {config}"
-        assert guarded.launches > 0, "the backward did not launch gdn_bwd_local"
+        assert guarded.launches > 0, f"the backward did not launch {LOCAL[mode]}"
         assert not guarded.problems, guarded.problems
     finally:
         kernel.reset()

@@ -5,10 +5,10 @@
 Each candidate config of a kernel is compiled for Hopper (sm_90) with Triton's own toolchain
 (ptxas, cuobjdump ship with the triton wheel) at the DFlash training step's shapes (each ``*_cases``
 function says which), and one line per config reports the shared memory the launch needs (sm_90 allows
-232,448 bytes per block), the registers per thread, the local-memory stack, and how many spill
-stores/loads (STL/LDL) the machine code holds. A candidate that spills in a hot loop is rarely the
-fastest; one that needs more shared memory than the chip has is skipped by the tuner. No GPU is needed:
-check candidates here before timing them on one.
+232,448 bytes per block), the registers per thread, the local-memory stack, how many spill stores/loads
+(STL/LDL) the machine code holds, and how many of those lie inside its innermost loops (where they cost every
+iteration). A candidate that spills in a hot loop is rarely the fastest; one that needs more shared memory
+than the chip has is skipped by the tuner. No GPU is needed: check candidates here before timing them on one.
 
 Run without TRITON_INTERPRET (interpreted kernels cannot be compiled); ``compile_resources`` is also
 what the tests use to check that candidates fit the chip.
@@ -71,7 +71,27 @@ def cubin_resources(cubin: bytes) -> dict:
         os.unlink(f.name)
     fields = dict(item.split(":") for item in usage.split() if ":" in item and item.split(":")[1].isdigit())
     return dict(regs=int(fields.get("REG", -1)), stack=int(fields.get("STACK", -1)), stl=sass.count("STL"),
-                ldl=sass.count("LDL"))
+                ldl=sass.count("LDL"), inner=inner_loop_spills(sass))
+
+
+def inner_loop_spills(sass: str) -> int:
+    """Spill stores and loads (STL / LDL) inside the innermost loops of the SASS (a loop: the instructions from a
+    backward branch's target to the branch; innermost: holding no other): where a spill costs every iteration."""
+    import re
+
+    code = []  # (address, instruction)
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for address, text in code:
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < address:
+            loops.append((int(m.group(1), 16), address))
+    inner = [(a, b) for a, b in loops if not any((c, d) != (a, b) and a <= c and d <= b for c, d in loops)]
+    return sum(1 for address, text in code if re.search(r"\b(STL|LDL)\b", text)
+               and any(a <= address <= b for a, b in inner))
 
 
 def _types(params, fp32=(), i32=(), u8=(), scalars_fp32=()):
@@ -133,8 +153,13 @@ def gdn_cases():
          {"V": 128, "HAS_H0": False, "OUTPUT": True, "HAS_T_BAD": True}),
         ("gdn_bwd_state", KB.gdn_bwd_state_kernel.default, {"V": 128, "HAS_DHT": False, "HAS_H0": False}),
         ("gdn_bwd_local", KB.gdn_bwd_local_kernel.default, {"V": 128}),
+        ("gdn_bwd_onepass", KB.gdn_bwd_onepass_kernel.default, {"V": 128}),
+        # the group form at GQA 3 with the l2norm backward: dq and dk in bf16 ([B, T, Hk, K])
+        ("gdn_bwd_group", KB.gdn_bwd_group_kernel.default, {"V": 128, "GROUP": True, "L2NORM": True}),
     ]:
-        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32, scalars_fp32=("scale",))
+        out32 = fp32 if not extra.get("GROUP") else tuple(p for p in fp32 if p not in ("dq_ptr", "dk_ptr"))
+        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=out32 + ("q_rstd_ptr", "k_rstd_ptr"), i32=i32,
+                       scalars_fp32=("scale",))
         for c in kern.configs:
             meta = {k: v for k, v in {**common, **extra, **c.meta}.items() if v is not None}
             yield name, kern.fn, types, meta, c
@@ -171,7 +196,8 @@ def main():
                 continue
             fits = "fits" if r["shared"] <= H200_SHARED_MEMORY else "TOO MUCH SHARED MEMORY"
             print(f"{name:16s} {config}: shared {r['shared']:>6} B ({fits}), {r['regs']} regs, "
-                  f"stack {r['stack']} B, spill stores {r['stl']}, loads {r['ldl']}", flush=True)
+                  f"stack {r['stack']} B, spill stores {r['stl']}, loads {r['ldl']}, {r['inner']} in inner loops",
+                  flush=True)
 
 
 if __name__ == "__main__":

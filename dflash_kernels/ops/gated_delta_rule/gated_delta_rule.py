@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from dflash_kernels.ops.gated_delta_rule.checks import check_gdn_inputs, check_kernel_grid, pop_fla_kwargs
-from dflash_kernels.ops.gated_delta_rule.kernels_bwd import gdn_bwd_local_kernel, gdn_bwd_state_kernel
+from dflash_kernels.ops.gated_delta_rule.kernels_bwd import (gdn_bwd_group_kernel, gdn_bwd_local_kernel,
+                                                             gdn_bwd_onepass_kernel, gdn_bwd_state_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_output_kernel, gdn_fwd_scan_kernel,
                                                              gdn_fwd_scan_states_kernel, gdn_fwd_solve_kernel,
                                                              gdn_fwd_wu_kernel)
@@ -264,9 +265,15 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     """Launch the backward; returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias) with dh0 empty when
     there is no h0, dA_log / ddt_bias empty without A_log / dt_bias. w, h, v_new: the forward's, when it
     kept them (non-empty); else they are recomputed here. dg and dbeta are the gradients of what was
-    passed (the raw gate, the logits) when the forward applied the gate or the sigmoid."""
+    passed (the raw gate, the logits) when the forward applied the gate or the sigmoid.
+
+    The local kernel (every input gradient of a chunk from its states, U and their gradients) is chosen by
+    ``DFLASH_KERNELS_GDN_BWD_LOCAL`` (``settings.gdn_bwd_local``): ``twopass`` (default), ``onepass`` (one
+    pass over V, K whole; the same products, kernels_bwd.py), or ``group`` (the one-pass kernel per key head,
+    which sums the head's value heads' dq and dk and applies the l2norm backward itself)."""
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
+    mode = settings.gdn_bwd_local()  # the local kernel (DFLASH_KERNELS_GDN_BWD_LOCAL): a bad value fails first
     v = v.contiguous()  # the backward kernels read v densely (the forward's may be a row-strided view)
     q_in, k_in = q, k
     if use_qk_l2norm:  # the l2norm kernel reads q and k in place and writes them contiguous
@@ -292,8 +299,6 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
                                dh0, cu, offsets, T, scale, bucket=(bucket(N * Hv),), HAS_DHT=dht is not None,
                                HAS_H0=has_h0, STATE_V_FIRST=state_v_first, **consts)
 
-    dq = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
-    dk = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
     dv = alloc.empty_like(v)
     dbeta = alloc.empty(B, T, Hv, dtype=torch.float32, device=q.device)
     dg = alloc.empty(B, T, Hv, dtype=torch.float32, device=q.device)
@@ -301,20 +306,39 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, initial_state, cu_seqlens, A, g
     # Per-chunk partial sums of the A_log and dt_bias gradients, summed over the chunks below.
     dA_part = alloc.empty(n_chunks, Hv, dtype=torch.float32, device=q.device) if gate else None
     ddt_part = alloc.empty(n_chunks, Hv, dtype=torch.float32, device=q.device) if dt_bias is not None else None
-    gdn_bwd_local_kernel.of(q)((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv, dbeta,
-                               dg, g if gate else None, A_log, dt_bias, dA_part, ddt_part, cu, indices, T, scale,
-                               bucket=(bucket(n_chunks),), GATE=gate, HAS_DT_BIAS=dt_bias is not None,
-                               BETA_MODE=beta_mode, **consts)
-    # A query/key head serves Hv // Hk value heads: their gradients are summed in a fixed order, inside
-    # the l2norm backward when there is one (no extra pass over the fp32 per-value-head gradients).
-    if use_qk_l2norm:
-        dq = l2norm_bwd(q_in, q_rstd, dq, q_in.dtype, group=Hv // Hk)
-        dk = l2norm_bwd(k_in, k_rstd, dk, k_in.dtype, group=Hv // Hk)
+    local = dict(GATE=gate, HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode, **consts)
+    if mode == "group":
+        # One program per chunk and key head sums its value heads' dq and dk and applies the l2norm backward:
+        # dq and dk written once, in the inputs' dtype.
+        dq = alloc.empty(B, T, Hk, K, dtype=q_in.dtype, device=q.device)
+        dk = alloc.empty(B, T, Hk, K, dtype=k_in.dtype, device=q.device)
+        l2 = (q_in, k_in, q_rstd, k_rstd, row_stride(q_in), row_stride(k_in)) if use_qk_l2norm else (None,) * 4 + (0, 0)
+        gdn_bwd_group_kernel.of(q)((n_chunks, Hk), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv,
+                                   dbeta, dg, g if gate else None, A_log, dt_bias, dA_part, ddt_part, l2[0], l2[1],
+                                   l2[2], l2[3], cu, indices, T, scale, l2[4], l2[5], bucket=(bucket(n_chunks),),
+                                   GROUP=True, L2NORM=use_qk_l2norm, **local)
     else:
-        if Hv != Hk:
-            dq = dq.view(B, T, Hk, Hv // Hk, K).sum(3)
-            dk = dk.view(B, T, Hk, Hv // Hk, K).sum(3)
-        dq, dk = dq.to(q_in.dtype), dk.to(k_in.dtype)
+        dq = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
+        dk = alloc.empty(B, T, Hv, K, dtype=torch.float32, device=q.device)
+        if mode == "onepass":
+            gdn_bwd_onepass_kernel.of(q)((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk,
+                                         dv, dbeta, dg, g if gate else None, A_log, dt_bias, dA_part, ddt_part, None,
+                                         None, None, None, cu, indices, T, scale, 0, 0, bucket=(bucket(n_chunks),),
+                                         **local)
+        else:
+            gdn_bwd_local_kernel.of(q)((n_chunks, Hv), q, k, v, beta, gcum, A, h, dh, v_new, dv_new, do, dq, dk, dv,
+                                       dbeta, dg, g if gate else None, A_log, dt_bias, dA_part, ddt_part, cu, indices,
+                                       T, scale, bucket=(bucket(n_chunks),), **local)
+        # A query/key head serves Hv // Hk value heads: their gradients are summed in a fixed order, inside
+        # the l2norm backward when there is one (no extra pass over the fp32 per-value-head gradients).
+        if use_qk_l2norm:
+            dq = l2norm_bwd(q_in, q_rstd, dq, q_in.dtype, group=Hv // Hk)
+            dk = l2norm_bwd(k_in, k_rstd, dk, k_in.dtype, group=Hv // Hk)
+        else:
+            if Hv != Hk:
+                dq = dq.view(B, T, Hk, Hv // Hk, K).sum(3)
+                dk = dk.view(B, T, Hk, Hv // Hk, K).sum(3)
+            dq, dk = dq.to(q_in.dtype), dk.to(k_in.dtype)
     empty = lambda: alloc.empty(0, dtype=torch.float32, device=q.device)  # noqa: E731
     dh0 = empty() if dh0 is None else dh0
     dA_log = dA_part.sum(0).view_as(A_log).to(A_log.dtype) if gate else empty()

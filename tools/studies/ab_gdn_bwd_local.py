@@ -1,0 +1,181 @@
+"""The GDN backward's local kernel in each of its modes, timed against each other in one run.
+
+    python -m tools.studies.ab_gdn_bwd_local [--check] [--shapes 1x8192,packed4x32768] [--modes twopass,group]
+                                             [--quick] [--out FILE] [--no-record] [--timeout S]
+
+Modes (``DFLASH_KERNELS_GDN_BWD_LOCAL``, read by each backward): ``twopass`` (the default kernel: a pass over V,
+then one per column block of K), ``onepass`` (one pass over V, K whole) and ``group`` (the one-pass kernel per
+key head, summing its value heads' dq and dk and applying the l2norm backward itself: no fp32 per-value-head
+dq / dk, no l2norm backward launches). Each mode runs in a process of its own with the variable set, over the
+shapes of ``benchmarks/bench_gdn.py``'s ``issue45`` set: Hk=16, K=V=128, Hv=32 at 1x3072, 1x8192, 4x8192,
+1x32768 and a packed batch of 4 documents summing to 32768 (``cu_seqlens``), and Hv=48 at 4x4096; bf16 q, k, v
+and beta, fp32 g, ``use_qk_l2norm_in_kernel=True``, no initial or final state (training).
+
+Per shape and mode: ``fwdbwd_ms``, the ``triton.testing.do_bench`` median of the forward and
+``torch.autograd.grad`` over q, k, v, g, beta; ``peak_MiB``; ``local_us`` and ``l2norm_bwd_us``, the device time
+per call of the local kernel and of the l2norm backward launches (torch.profiler); ``speedup_vs_twopass``.
+``--check``: each mode's process first computes the gradients with ``twopass`` and with its mode on the same
+inputs and reports the relative error of each (``rel_err_d*``, ``check``: "ok" or what exceeded the tolerance).
+
+Prints a table, appends the rows (op ``gdn_bwd_local``) to ``benchmarks/results/ops.jsonl`` with the GPU,
+versions and date unless ``--no-record``, and with ``--out FILE`` also writes them there as JSON lines. Off the
+GPU the processes run ``bench_gdn``'s tiny fp32 ``issue45`` shapes through the interpreter (set
+``TRITON_INTERPRET=1``) and record nothing: a check that the job runs, not a timing.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library
+
+MODES = ("twopass", "onepass", "group")
+ENV = "DFLASH_KERNELS_GDN_BWD_LOCAL"
+GRADS = ("dq", "dk", "dv", "dg", "dbeta")
+# The local kernels' and the l2norm backward's names as the profiler reports them (Triton's kernel names).
+LOCAL_KERNELS = ("_gdn_bwd_local_kernel", "_gdn_bwd_onepass_kernel")
+L2NORM_BWD = "_gdn_l2norm_bwd_kernel"
+
+
+def _tolerance(dtype):
+    """Bound on a mode's gradients' relative error against twopass's: the order of the fp32 sums, or for bf16
+    the roundings of the products' operands (dw's product, group's scaled tiles)."""
+    import torch
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def _device_us(fn, calls=5):
+    """Device microseconds per call of ``fn``, by kernel name (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / calls for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+def _grads_with(mode, fn):
+    """``fn()`` with the backward's local kernel ``mode``."""
+    prev = os.environ.get(ENV)
+    os.environ[ENV] = mode
+    try:
+        return fn()
+    finally:
+        if prev is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = prev
+
+
+def worker(mode, only, check, quick):
+    """Rows of one mode (``ENV`` set by the parent), printed as ``ROW {json}`` lines."""
+    import torch
+    from bench_common import bench_ms, peak_mib
+    from bench_gdn import _cu_seqlens, _inputs, _shape_name, _shape_set
+
+    from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+    from tests.helpers import rel_err
+
+    assert os.environ.get(ENV) == mode, (os.environ.get(ENV), mode)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    for label, s in _shape_set("issue45", only, cuda).items():
+        row = {"op": "gdn_bwd_local", "impl": mode, "label": label, "shape": _shape_name(s), "dtype": str(dtype)}
+        try:
+            torch.manual_seed(0)
+            tensors = _inputs(s, device, dtype)
+            kwargs = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=_cu_seqlens(s, device))
+            do = torch.randn(s["B"], s["T"], s["Hv"], s["V"], device=device, dtype=dtype)
+
+            def fwd_bwd():
+                return torch.autograd.grad(chunk_gated_delta_rule(*tensors, **kwargs)[0], tensors, do)
+
+            grads = fwd_bwd()
+            if check:
+                ref = _grads_with("twopass", fwd_bwd)
+                tol = _tolerance(dtype)
+                for name, a, b in zip(GRADS, grads, ref):
+                    row[f"rel_err_{name}"] = rel_err(a, b)
+                over = [f"{n}={row[f'rel_err_{n}']:.3g}" for n in GRADS if not row[f"rel_err_{n}"] <= tol]
+                row["check"] = f"FAILED against twopass (tolerance {tol}): {', '.join(over)}" if over else "ok"
+                del ref
+            del grads
+            row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, cuda)
+            row["peak_MiB"] = peak_mib(fwd_bwd, cuda)
+            if cuda:
+                us = _device_us(fwd_bwd)
+                row["local_us"] = sum(t for k, t in us.items() if k.startswith(LOCAL_KERNELS))
+                row["l2norm_bwd_us"] = sum(t for k, t in us.items() if k.startswith(L2NORM_BWD))
+                row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:12]}
+        except Exception as e:  # noqa: BLE001 - one shape's failure (out of memory, say) costs its row only
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print("ROW", json.dumps(row), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _table(rows):
+    base = {r["label"]: r for r in rows if r.get("impl") == "twopass" and isinstance(r.get("fwdbwd_ms"), float)}
+    lines = [f"{'shape':16s} {'mode':8s} {'fwd+bwd ms':>10s} {'vs twopass':>10s} {'local us':>9s} "
+             f"{'l2norm us':>9s} {'peak MiB':>9s}  check"]
+    for r in rows:
+        if "error" in r or "fwdbwd_ms" not in r:
+            lines.append(f"{r.get('label', '-'):16s} {r.get('impl', '-'):8s} error: {r.get('error', '?')[:150]}")
+            continue
+        b = base.get(r["label"])
+        if b is not None:
+            r["speedup_vs_twopass"] = b["fwdbwd_ms"] / r["fwdbwd_ms"]
+        speed = f"{r['speedup_vs_twopass']:.3f}x" if "speedup_vs_twopass" in r else "-"
+        lines.append(f"{r['label']:16s} {r['impl']:8s} {r['fwdbwd_ms']:10.3f} {speed:>10s} "
+                     f"{r.get('local_us', float('nan')):9.1f} {r.get('l2norm_bwd_us', float('nan')):9.1f} "
+                     f"{r.get('peak_MiB', float('nan')):9.1f}  {r.get('check', '')}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated (default: all three)")
+    p.add_argument("--shapes", default="", help="shape labels of the issue45 set, comma-separated (default: all)")
+    p.add_argument("--check", action="store_true", help="compare each mode's gradients with twopass's first")
+    p.add_argument("--quick", action="store_true", help="shorter do_bench runs")
+    p.add_argument("--out", help="also write the rows to FILE as JSON lines")
+    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/ops.jsonl")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per mode's process (default 1200)")
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    only = [x for x in args.shapes.split(",") if x] or None
+    if args.worker:
+        return worker(args.worker, only, args.check, args.quick)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"ab_gdn_bwd_local: unknown modes {bad}; choose from {', '.join(MODES)}")
+
+    import torch
+    from bench_common import run_rows
+
+    rows = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for mode in modes:
+        cmd = [sys.executable, "-m", "tools.studies.ab_gdn_bwd_local", "--worker", mode]
+        cmd += (["--shapes", ",".join(only)] if only else []) + (["--check"] if args.check else [])
+        cmd += ["--quick"] if args.quick else []
+        rows += run_rows(cmd, "gdn_bwd_local", mode, args.timeout, env={**env, ENV: mode})
+    print(_table(rows))
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    if not args.no_record and torch.cuda.is_available():
+        from ops import record_rows
+        record_rows(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
