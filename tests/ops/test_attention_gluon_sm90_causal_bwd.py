@@ -2,15 +2,21 @@
 reference (autograd through tests/ops/test_attention_gluon_sm90.py's ``reference``: top-left causal, the
 convention of ``causal_block_mask`` and of the Gluon forward) and the portable backward on the same o and lse:
 D = 128 / 64, bf16 / fp16, GQA 1 and 4, lengths 128, 333 and 1001, Tq < Tk and Tq > Tk; determinism; non-finite
-K / V confined to the rows that see them, non-finite q / do rows confined to their dq and the keys they see; and
-the op's dispatch (``block_sparse_attention`` with ``causal_block_mask`` runs this backward after the Gluon causal
-forward, backend ``portable`` does not).
+K / V confined to the rows that see them, non-finite q / do rows confined to their dq and the keys they see.
+
+The op does not dispatch this backward: on its first GPU run (H100, 2026-12-07) dq matched and dk / dv did not,
+and a later test in the same process found the CUDA context faulted. So every test here is reported xfail and
+not run (``XFAIL_UNLESS_ASKED``, also on test_every_candidate's cases of its two kernels) unless
+``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``: then they run normally (one process of their own is safest). That the
+op does not run it: tests/ops/test_attention.py, ``test_op_does_not_run_the_gluon_causal_backward``.
+Diagnostic: ``python -m tools.studies.debug_causal_bwd``.
 
 Needs a CUDA device of compute capability 9.x (no interpreter path): skips elsewhere. Output buffers are
 NaN-filled before the launch (DFLASH_KERNELS_POISON), so an element a kernel does not write fails.
 """
 
 import math
+import os
 
 import pytest
 import torch
@@ -19,7 +25,14 @@ from tests.helpers import rel_err, worst_row_err, worst_row_err_rms
 from tests.ops.test_attention_gluon_sm90 import SKIP, _inputs, reference
 
 needs_sm90 = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
-pytestmark = pytest.mark.gpu
+RUN_ENV = "DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD"
+NOT_DISPATCHED = ("the Gluon causal backward is not dispatched: on its first GPU run (H100, 2026-12-07) dk / dv "
+                  "were wrong (relative error 0.99 to 4.5 against SDPA; dq 3e-3) and a later test found the CUDA "
+                  f"context faulted; {RUN_ENV}=1 runs these tests")
+# Marks for tests of this backward: xfail, not run, unless RUN_ENV=1 (then none: they run normally).
+XFAIL_UNLESS_ASKED = ([] if os.environ.get(RUN_ENV) == "1"
+                      else [pytest.mark.xfail(run=False, strict=True, reason=NOT_DISPATCHED)])
+pytestmark = [pytest.mark.gpu, *XFAIL_UNLESS_ASKED]
 
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 ROW_TOL = {torch.bfloat16: 1.5e-1, torch.float16: 5e-2}
@@ -169,46 +182,3 @@ def test_causal_bwd_nonfinite_q_do_confined(D, where, value):
         assert x[~hit].isfinite().all(), name
         missing = ~p.isfinite() & x.isfinite()
         assert not missing.any(), f"{name}: finite where the portable backward is not ({int(missing.sum())})"
-
-
-@needs_sm90
-@pytest.mark.parametrize("D", [128, 64], ids=lambda d: f"D{d}")
-def test_op_runs_the_gluon_causal_backward(D):
-    """``block_sparse_attention`` with ``causal_block_mask`` on sm_90 runs the Gluon causal forward and this
-    backward (their kernels show in the kernel cache), with every gradient against the fp32 reference; backend
-    ``portable`` runs neither."""
-    from dflash_kernels import set_backend
-    from dflash_kernels.ops.attention import block_sparse_attention, causal_block_mask
-    from dflash_kernels.ops.attention.attention import forward_path
-    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import (attention_bwd_gluon_causal_dkdv_kernel,
-                                                                            attention_bwd_gluon_causal_dq_kernel)
-
-    B, Tq, Tk, Hq, Hkv = 2, 333, 401, 8, 2
-    dtype = torch.bfloat16
-    q, k, v = _inputs(B, Tq, Tk, Hq, Hkv, D, dtype)
-    do = torch.randn_like(q)
-    mask = causal_block_mask(Tq, Tk, device="cuda")
-    assert forward_path(q, k, v, mask) == "gluon_sm90_causal"
-    kernels = (attention_bwd_gluon_causal_dq_kernel, attention_bwd_gluon_causal_dkdv_kernel)
-    for kernel in kernels:
-        kernel.reset()
-    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    o = block_sparse_attention(qg, kg, vg, mask)
-    dq, dk, dv = torch.autograd.grad(o, (qg, kg, vg), do)
-    assert all(kernel.cache_info() for kernel in kernels), "the Gluon causal backward did not run"
-    rq, rk, rv = _reference_grads(q, k, v, do, D ** -0.5)
-    _check("dq", dq, rq, dtype)
-    _check("dk", dk, rk, dtype)
-    _check("dv", dv, rv, dtype)
-    set_backend("attention", "portable")
-    try:
-        for kernel in kernels:
-            kernel.reset()
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-        o = block_sparse_attention(qg, kg, vg, mask)
-        pq, pk, pv = torch.autograd.grad(o, (qg, kg, vg), do)
-        assert not any(kernel.cache_info() for kernel in kernels), "backend 'portable' ran the Gluon backward"
-    finally:
-        set_backend("attention", "auto")
-    for name, x, p in (("dq", dq, pq), ("dk", dk, pk), ("dv", dv, pv)):
-        assert rel_err(x, p) < 2 * TOL[dtype], name

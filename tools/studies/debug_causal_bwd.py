@@ -1,5 +1,5 @@
-"""GPU diagnostic of the dense causal Gluon backward's dk / dv kernel (kernels_gluon_sm90_causal_bwd.py); for the
-branch attn-gluon-causal-bwd only.
+"""GPU diagnostic of the dense causal Gluon backward's dk / dv kernel (kernels_gluon_sm90_causal_bwd.py: not
+dispatched, its dk / dv were wrong on its first GPU run; its module docstring).
 
     python -m tools.studies.debug_causal_bwd [--variant 0,1,2,4] [--only NAME,...]
 
@@ -7,10 +7,10 @@ Each case runs in a subprocess of its own (a CUDA fault kills only that case and
 Per case: the forward's lse / o against the fp32 reference, the rel err of dq, dk, dv, and for dk / dv per
 64-key block (all batches and heads together): rel err, norm ratio got / ref, the least-squares scale c (got ~
 c ref), and per key row the count of rows with rel err > 5e-2, exactly-zero rows, NaN rows, and the first bad key
-indices. ``--variant V,...`` sets DFLASH_CAUSAL_BWD_VARIANT=V for the children (CUDA_LAUNCH_BLOCKING=1 always) (bits of the dk / dv kernel's VARIANT:
-1 the diagonal mask by selects after the MMAs instead of in the accumulators, 2 no off-diagonal items, 4 no
-diagonal items); with bit 2 or 4 the reference is restricted to the same (query tile, key block) pairs, so the
-error stays small if the items that ran are right.
+indices. ``--variant V,...`` sets DFLASH_CAUSAL_BWD_VARIANT=V for the children (CUDA_LAUNCH_BLOCKING=1
+always) (bits of the dk / dv kernel's VARIANT: 1 the diagonal mask by selects after the MMAs instead of in the
+accumulators, 2 no off-diagonal items, 4 no diagonal items); with bit 2 or 4 the reference is restricted to
+the same (query tile, key block) pairs, so the error stays small if the items that ran are right.
 """
 
 import argparse
