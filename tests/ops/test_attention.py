@@ -519,6 +519,34 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
     assert rel_err(o, po) < TOL[dtype] and torch.equal(lse.isinf(), plse.isinf())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forwards run on sm_90 GPUs")
+@pytest.mark.parametrize("D", [128, 64])
+def test_op_does_not_run_the_gluon_causal_backward(D):
+    """After the Gluon causal forward the op runs the portable backward, never the Gluon causal backward of
+    kernels_gluon_sm90_causal_bwd.py (not dispatched: its dk / dv were wrong on its first GPU run; its tests,
+    tests/ops/test_attention_gluon_sm90_causal_bwd.py, run only with DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1):
+    its kernels' caches stay empty, the portable dk / dv kernel's does not."""
+    from dflash_kernels.ops.attention.attention import forward_path
+    from dflash_kernels.ops.attention.kernels import attention_bwd_dkdv_kernel
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_kernel
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import (attention_bwd_gluon_causal_dkdv_kernel,
+                                                                            attention_bwd_gluon_causal_dq_kernel)
+
+    mask = causal_block_mask(333, 401, q_block=64, device=DEVICE)
+    q, k, v, do = make_qkv(2, 333, 401, 8, 2, D, torch.bfloat16, seed=D)
+    assert forward_path(q, k, v, mask) == "gluon_sm90_causal"
+    gluon = (attention_bwd_gluon_causal_dq_kernel, attention_bwd_gluon_causal_dkdv_kernel)
+    for kernel in (attention_fwd_gluon_kernel, attention_bwd_dkdv_kernel, *gluon):
+        kernel.reset()
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    torch.autograd.grad(block_sparse_attention(qg, kg, vg, mask), (qg, kg, vg), do)
+    torch.cuda.synchronize()
+    assert attention_fwd_gluon_kernel.cache_info(), "the Gluon causal forward did not run"
+    assert attention_bwd_dkdv_kernel.cache_info(), "the portable backward did not run"
+    assert not any(kernel.cache_info() for kernel in gluon), "the op ran the Gluon causal backward"
+
+
 def test_gluon_backward_takes_every_forward_case_with_aligned_tensors():
     """After the Gluon DFlash forward the Gluon backward runs for every dtype and head dim that forward takes
     (bf16 / fp16, D 64 / 128); only a tensor at a base address off the 16-byte grid TMA needs (here the upstream

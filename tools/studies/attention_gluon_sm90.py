@@ -2,7 +2,7 @@
 the DFlash mask; both chosen by the op's dispatch on sm_90) on a GPU of compute capability 9.0: each one's output
 against a peer's, then its time against the peers.
 
-    python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick] [--only dense|dflash|dflash_bwd]
+    python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick] [--only dense|dflash|dflash_bwd|causal_bwd]
 
 Shapes (bf16, D = 128): dense causal B=2, H=32, L=8192 (the attention issue's SDPA comparison), the same
 without the mask, and causal B=4, L=4096 with GQA (32 query heads over 8 kv heads). Per shape one JSON row:
@@ -27,6 +27,19 @@ delta, dq, dk / dv) against the portable launcher ``attention_bwd`` on the Gluon
 the relative errors of dq, dk, dv against the portable ones, ``do_bench`` medians of both, TFLOP/s over visible
 pairs (``10 * D * Hq * pairs``) and the speedup.
 
+Causal backward (``--only causal_bwd``, never in the default run; bf16, D = 128, B=2 H=32 L=8192 and B=4 L=4096
+Hq 32 / Hkv 8): forward + backward (``torch.autograd.grad`` over q, k, v) of ``block_sparse_attention`` with
+``causal_block_mask`` through the op's default dispatch (the Gluon causal forward and the portable backward) and
+the Gluon causal backward (kernels_gluon_sm90_causal_bwd.py, not dispatched: its dk / dv were wrong on its first
+GPU run) through its launcher on the Gluon forward's o and lse, each against
+``scaled_dot_product_attention(is_causal=True)`` in the same process; per shape the relative errors of dq, dk, dv
+of the op (``rel_err_*_op_vs_sdpa``) and of the Gluon backward (``rel_err_*_gluon_vs_sdpa``) against SDPA's,
+``do_bench`` medians of fwd + bwd for the op and SDPA (``op_fwd_bwd_ms``, ``sdpa_fwd_bwd_ms``), of the backward
+alone (the Gluon launcher, delta included: ``gluon_bwd_ms``; SDPA's backward through ``torch.autograd.grad`` on a
+retained graph: ``sdpa_bwd_ms``), TFLOP/s over visible pairs (``4 * D * H * pairs`` forward, ``10 * D * H *
+pairs`` backward) and the ratios to SDPA. The Gluon backward runs last (after the op's and SDPA's timings, errors
+included): a fault it causes cannot spoil the others' numbers.
+
 A forward that hangs (the prototype's barriers never ran on a GPU before) is cut by the
 caller's timeout: run it under ``timeout``.
 """
@@ -45,6 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 SHAPES = [dict(B=2, H=32, Hkv=32, L=8192, D=128, causal=True), dict(B=2, H=32, Hkv=32, L=8192, D=128, causal=False),
           dict(B=4, H=32, Hkv=8, L=4096, D=128, causal=True)]
+CAUSAL_BWD_SHAPES = [dict(B=2, H=32, Hkv=32, L=8192, D=128), dict(B=4, H=32, Hkv=8, L=4096, D=128)]
 DFLASH_SHAPES = [dict(B=B, S=3072, N=512, Hq=32, Hkv=8, D=128, window=w) for B in (1, 4) for w in (None, 2048)]
 
 
@@ -159,17 +173,78 @@ def run_dflash_bwd(shape, quick=False):
     return row
 
 
+def run_causal_bwd(shape, quick=False):
+    """Dense causal forward + backward through the op (Gluon forward, portable backward) and the undispatched Gluon
+    causal backward through its launcher, each against SDPA (module docstring, ``--only causal_bwd``)."""
+    from dflash_kernels import block_sparse_attention, causal_block_mask
+    from dflash_kernels.ops.attention.attention import forward_path
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_sm90_causal
+
+    B, H, Hkv, L, D = (shape[k] for k in ("B", "H", "Hkv", "L", "D"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, L, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for n in (H, Hkv, Hkv, H))
+    scale = D ** -0.5
+    mask = causal_block_mask(L, device="cuda")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    do_t = do.transpose(1, 2)
+
+    def op_fwd_bwd():
+        o = block_sparse_attention(qg, kg, vg, mask, scale=scale)
+        return torch.autograd.grad(o, (qg, kg, vg), do)
+
+    def sdpa_fwd():
+        return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=Hkv != H)
+
+    def sdpa_fwd_bwd():
+        return torch.autograd.grad(sdpa_fwd(), (qt, kt, vt), do_t)
+
+    def errors(got, tag):
+        for name, x, y in zip(("dq", "dk", "dv"), got, ref):
+            y = y.transpose(1, 2).float()
+            row[f"rel_err_{name}_{tag}_vs_sdpa"] = ((x.float() - y).norm() / y.norm()).item()
+
+    got, ref = op_fwd_bwd(), sdpa_fwd_bwd()  # compiled before the clock
+    row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mask": "causal", "pass": "fwd+bwd",
+           "op_path": forward_path(q, k, v, mask) + " + portable bwd", **shape}
+    errors(got, "op")
+    reps = dict(warmup=10, rep=50) if quick else {}
+    row["op_fwd_bwd_ms"] = do_bench(op_fwd_bwd, **reps)
+    row["sdpa_fwd_bwd_ms"] = do_bench(sdpa_fwd_bwd, **reps)
+    out = sdpa_fwd()
+    row["sdpa_bwd_ms"] = do_bench(lambda: torch.autograd.grad(out, (qt, kt, vt), do_t, retain_graph=True), **reps)
+    o, lse = attention_fwd_gluon_sm90(q, k, v, True, scale)
+
+    def gluon_bwd():
+        return attention_bwd_gluon_sm90_causal(do, q, k, v, o, lse, scale)
+
+    errors(gluon_bwd(), "gluon")
+    torch.cuda.synchronize()
+    row["gluon_bwd_ms"] = do_bench(gluon_bwd, **reps)
+    pairs = B * H * (L * (L + 1) // 2)
+    for key, flops in (("op_fwd_bwd_ms", 14), ("sdpa_fwd_bwd_ms", 14), ("gluon_bwd_ms", 10), ("sdpa_bwd_ms", 10)):
+        row[key[:-3] + "_TFLOPs"] = flops * D * pairs / row[key] / 1e9
+    row["fwd_bwd_vs_sdpa"] = row["op_fwd_bwd_ms"] / row["sdpa_fwd_bwd_ms"]
+    row["gluon_bwd_vs_sdpa"] = row["gluon_bwd_ms"] / row["sdpa_bwd_ms"]
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", metavar="FILE", help="append the rows to FILE as JSON lines")
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
-    parser.add_argument("--only", choices=("dense", "dflash", "dflash_bwd"), help="run one kernel's shapes only")
+    parser.add_argument("--only", choices=("dense", "dflash", "dflash_bwd", "causal_bwd"),
+                        help="run one kernel's shapes only")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise SystemExit("attention_gluon_sm90: needs a GPU of compute capability 9.0 (H100 / H200)")
     runs = [(run, x) for x in SHAPES] if args.only in (None, "dense") else []
     runs += [(run_dflash, x) for x in DFLASH_SHAPES] if args.only in (None, "dflash") else []
     runs += [(run_dflash_bwd, x) for x in DFLASH_SHAPES] if args.only in (None, "dflash_bwd") else []
+    # not in the default run: the Gluon causal backward is not dispatched (module docstring)
+    runs += [(run_causal_bwd, x) for x in CAUSAL_BWD_SHAPES] if args.only == "causal_bwd" else []
     for fn, shape in runs:
         row = fn(shape, args.quick)
         print(json.dumps(row), flush=True)

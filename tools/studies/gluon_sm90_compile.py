@@ -1,6 +1,7 @@
 """Compile the warp-specialized Gluon attention kernels for sm_90 on the CPU: the dense forward
-(kernels_gluon_sm90.py), the DFlash-mask forward (kernels_gluon_sm90_dflash.py) and the DFlash-mask backward's
-dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py, D = 128 and 64, bf16 and fp16).
+(kernels_gluon_sm90.py), the DFlash-mask forward (kernels_gluon_sm90_dflash.py), the DFlash-mask backward's
+dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py) and the dense causal backward's dk / dv and dq kernels
+(kernels_gluon_sm90_causal_bwd.py, GQA 1 and 4), the backwards at D = 128 and 64, bf16 and fp16.
 
     python -m tools.studies.gluon_sm90_compile [--dump DIR]
 
@@ -141,6 +142,51 @@ def compile_gluon_dflash_bwd(D: int, kernel: str, G: int = 4, q_block: int = 16,
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_gluon_causal_bwd(D: int, kernel: str, G: int = 4, dtype=None):
+    """The compiled dense causal backward kernel ``kernel`` (``"dkdv"`` or ``"dq"``,
+    kernels_gluon_sm90_causal_bwd.py) for head dim ``D`` and GQA group ``G``, as its launcher would launch it at
+    bf16 (or ``dtype``)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dflash_kernels.ops.attention import kernels_gluon_sm90 as G_
+    from dflash_kernels.ops.attention import kernels_gluon_sm90_causal_bwd as GC
+
+    dtype = dtype or torch.bfloat16
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    opts = {"num_warps": 4, "maxnreg": G_.MAXNREG}
+    if kernel == "dkdv":
+        cfg = GC.dkdv_config(D)
+        row_desc = G_.descriptor(torch.empty(1, GC.ROWS, G, D, dtype=dtype), GC.ROWS)
+        kv_desc = G_.descriptor(torch.empty(1, GC.KH, 2, D, dtype=dtype), GC.KH)
+        fn = GC._attn_bwd_causal_dkdv_ws_kernel
+        sig = {"q_desc": mangle_type(row_desc), "do_desc": mangle_type(row_desc), "k_desc": mangle_type(kv_desc),
+               "v_desc": mangle_type(kv_desc), "dk_ptr": ptr, "dv_ptr": ptr,
+               "lse_ptr": "*fp32", "delta_ptr": "*fp32", "Tq": "i32", "Tk": "i32", "Hq": "i32", "Hkv": "i32",
+               "NBH": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        constexprs = {"G": G, "NUM_STAGES": cfg["NUM_STAGES"], "CONSUMER_REGS": G_.CONSUMER_REGS,
+                      "PRODUCER_REGS": G_.PRODUCER_REGS, "VARIANT": GC._debug_variant().get("VARIANT", 0)}
+        aligned = ("dk_ptr", "dv_ptr", "lse_ptr", "delta_ptr")
+    else:
+        cfg = GC.dq_config(D)
+        kv_desc = G_.descriptor(torch.empty(1, cfg["BN"], 2, D, dtype=dtype), cfg["BN"])
+        fn = GC._attn_bwd_causal_dq_ws_kernel
+        sig = {"q_ptr": ptr, "do_ptr": ptr, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_ptr": ptr,
+               "k_desc": mangle_type(kv_desc), "v_desc": mangle_type(kv_desc), "Tq": "i32", "Tk": "i32",
+               "Hq": "i32", "NBH": "i32", "qk_scale": "fp32", "sm_scale": "fp32"}
+        constexprs = {"G": G, "BN": cfg["BN"], "NUM_STAGES": cfg["NUM_STAGES"], "CONSUMER_REGS": G_.CONSUMER_REGS,
+                      "PRODUCER_REGS": G_.PRODUCER_REGS}
+        aligned = ("q_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr")
+    sig.update({name: "constexpr" for name in constexprs})
+    assert list(sig) == fn.arg_names, (list(sig), fn.arg_names)
+    attrs = {(list(sig).index(n), ): [["tt.divisibility", 16]] for n in aligned}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
 def structure_counts(ptx: str, ttgir: str) -> dict:
     """How many of each instruction that shows the kernel's structure the PTX holds."""
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
@@ -150,15 +196,18 @@ def structure_counts(ptx: str, ttgir: str) -> dict:
             "ws_regions": ttgir.count("ttg.warp_specialize(")}
 
 
-def report(D: int, causal, dump: str = None, dtype=None) -> dict:
+def report(D: int, causal, dump: str = None, dtype=None, G: int = 4) -> dict:
     """One build's resources (``cubin_resources`` and the launch's shared memory) and structure counts; with
     ``dump``, its TTGIR and PTX written into that folder. ``causal``: False or True for the dense kernel,
     ``"dflash"`` for the DFlash-mask forward, ``"dflash_dkdv"`` / ``"dflash_dq"`` for the DFlash backward's
-    kernels (bf16, or ``dtype``)."""
+    kernels, ``"causal_dkdv"`` / ``"causal_dq"`` for the dense causal backward's (bf16, or ``dtype``; GQA ``G``
+    for the backwards)."""
     if causal == "dflash":
         compiled = compile_gluon_dflash(D, dtype=dtype)
     elif causal in ("dflash_dkdv", "dflash_dq"):
-        compiled = compile_gluon_dflash_bwd(D, causal.split("_")[1], dtype=dtype)
+        compiled = compile_gluon_dflash_bwd(D, causal.split("_")[1], G=G, dtype=dtype)
+    elif causal in ("causal_dkdv", "causal_dq"):
+        compiled = compile_gluon_causal_bwd(D, causal.split("_")[1], G=G, dtype=dtype)
     else:
         compiled = compile_gluon_attention(D, causal, dtype)
     ptx, ttgir = compiled.asm["ptx"], compiled.asm["ttgir"]
@@ -166,6 +215,7 @@ def report(D: int, causal, dump: str = None, dtype=None) -> dict:
         os.makedirs(dump, exist_ok=True)
         tag = {False: "full", True: "causal"}.get(causal, causal)
         tag += "" if dtype is None else "_" + str(dtype).split(".")[-1]
+        tag += "" if G == 4 else f"_G{G}"
         for ext in ("ttgir", "ptx"):
             with open(os.path.join(dump, f"D{D}_{tag}.{ext}"), "w") as f:
                 f.write(compiled.asm[ext])
@@ -187,32 +237,35 @@ def main():
     print(f"triton {triton.__version__}, sm_90, bf16, BM {G.BM} (2 consumer warpgroups x {G.BMW} rows) + "
           f"1 producer warp, maxnreg {G.MAXNREG}, setmaxnreg consumers {G.CONSUMER_REGS} / producer "
           f"{G.PRODUCER_REGS}; regs: per thread at launch")
-    print(f"{'build':28s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
+    print(f"{'build':38s} {'shared B':>9s} {'regs':>5s} {'stack':>6s} {'STL':>4s} {'LDL':>4s} {'wgmma':>6s} "
           f"{'TMA':>4s} {'mbar':>5s} {'setmaxnreg':>10s} {'ws':>3s}")
     failed = False
-    builds = [(D, c, None) for D in (64, 128) for c in (False, True, "dflash")]
-    builds += [(D, c, dt) for c in ("dflash_dkdv", "dflash_dq") for D in (128, 64)
+    builds = [(D, c, None, 4) for D in (64, 128) for c in (False, True, "dflash")]
+    builds += [(D, c, dt, 4) for c in ("dflash_dkdv", "dflash_dq") for D in (128, 64)
                for dt in (torch.bfloat16, torch.float16)]
-    for D, causal, dtype in builds:
-        if causal in ("dflash_dkdv", "dflash_dq"):
+    # The causal backward at GQA 1 (the dense benchmark's heads) and 4: G is a constant of its item loop.
+    builds += [(D, c, dt, g) for c in ("causal_dkdv", "causal_dq") for g in (1, 4) for D in (128, 64)
+               for dt in (torch.bfloat16, torch.float16)]
+    for D, causal, dtype, g in builds:
+        if causal in ("dflash_dkdv", "dflash_dq", "causal_dkdv", "causal_dq"):
             from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash_bwd as GB
 
-            cfg = (GB.dkdv_config if causal == "dflash_dkdv" else GB.dq_config)(D)
-            tag = f"{causal[7:]} G4 {str(dtype).split('.')[-1]}"
+            cfg = (GB.dkdv_config if causal.endswith("dkdv") else GB.dq_config)(D)
+            tag = f"{causal.replace('dflash_', '')} G{g} {str(dtype).split('.')[-1]}"
         else:
             cfg = G.tile_config(D)
             tag = {False: "full", True: "causal", "dflash": "dflash G4"}[causal]
         name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
         try:
-            r = report(D, causal, args.dump, dtype)
+            r = report(D, causal, args.dump, dtype, g)
         except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash
             failed = True
             while e.__cause__ is not None:  # a CompilationError wraps the error of the innermost call
                 e = e.__cause__
-            print(f"{name:28s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
+            print(f"{name:38s} does not compile ({type(e).__name__}: {str(e).strip()[:200]})")
             continue
         fits = "" if r["shared"] <= H200_SHARED_MEMORY else "  TOO MUCH SHARED MEMORY"
-        print(f"{name:28s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
+        print(f"{name:38s} {r['shared']:>9d} {r['regs']:>5d} {r['stack']:>6d} {r['stl']:>4d} {r['ldl']:>4d} "
               f"{r['wgmma']:>6d} {r['tma']:>4d} {r['mbarrier']:>5d} {r['setmaxnreg']:>10d} "
               f"{r['ws_regions']:>3d}{fits}", flush=True)
     if failed:
