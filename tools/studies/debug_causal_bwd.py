@@ -1,16 +1,22 @@
 """GPU diagnostic of the dense causal Gluon backward's dk / dv kernel (kernels_gluon_sm90_causal_bwd.py: not
 dispatched, its dk / dv were wrong on its first GPU run; its module docstring).
 
-    python -m tools.studies.debug_causal_bwd [--variant 0,1,2,4] [--only NAME,...]
+    python -m tools.studies.debug_causal_bwd [--variant 0,1,2,4,8,16,32,64,8+16+32+64] [--only NAME,...] [--full]
 
 Each case runs in a subprocess of its own (a CUDA fault kills only that case and its stderr tail is printed).
 Per case: the forward's lse / o against the fp32 reference, the rel err of dq, dk, dv, and for dk / dv per
 64-key block (all batches and heads together): rel err, norm ratio got / ref, the least-squares scale c (got ~
 c ref), and per key row the count of rows with rel err > 5e-2, exactly-zero rows, NaN rows, and the first bad key
 indices. ``--variant V,...`` sets DFLASH_CAUSAL_BWD_VARIANT=V for the children (CUDA_LAUNCH_BLOCKING=1
-always) (bits of the dk / dv kernel's VARIANT: 1 the diagonal mask by selects after the MMAs instead of in the
-accumulators, 2 no off-diagonal items, 4 no diagonal items); with bit 2 or 4 the reference is restricted to
-the same (query tile, key block) pairs, so the error stays small if the items that ran are right.
+always), one variant after the other; each V is an int (``24``, ``0x18``) or a sum of bits (``8+16``). The bits
+of the dk / dv kernel's VARIANT (kernels_gluon_sm90_causal_bwd.py's docstring): 1 the diagonal mask by selects
+after the MMAs instead of in the accumulators, 2 no off-diagonal items, 4 no diagonal items, 8 the consumers'
+coordinates from the program id instead of the shared ``coords`` buffer, 16 Q / dO through rank-4
+``[1, 64, 1, D]`` TMA boxes (the DFlash kernel's ``row_descriptor``), 32 the producer's row offsets per lane in
+int64 (the DFlash producer's), 64 a ``fence_async_shared`` with the producer's barrier after its row stores;
+with bit 2 or 4 the reference is restricted to the same (query tile, key block) pairs, so the error stays small
+if the items that ran are right. A nonzero variant runs the small ``VARIANT_CASES`` with one line per case
+(``--full``: the per-block / per-row patterns too); variant 0 runs every case in full.
 """
 
 import argparse
@@ -38,7 +44,20 @@ CASES = {
     "q333_k401_g4_nanq": (1, 333, 401, 8, 2, 128, "bf16", "nanq"),
 }
 
-VARIANT_CASES = ("T128_g1_rand", "T256_g4_rand", "T1024_g1_rand")
+VARIANT_CASES = ("T128_g1_rand", "T128_g1_D64", "T256_g4_rand", "T333_g1_rand", "T1024_g1_rand")
+BITS = {1: "post-mask", 2: "no-off", 4: "no-diag", 8: "pid-coords", 16: "rank4-desc", 32: "int64-rows",
+        64: "fence-rows"}
+
+
+def parse_variants(text):
+    """``"0,8,8+16,0x18"`` -> [0, 8, 24, 24]: a comma list of ints or sums of ints."""
+    return [sum(int(p, 0) for p in item.split("+")) for item in text.split(",") if item.strip()]
+
+
+def variant_name(variant):
+    """The names of the variant's bits, e.g. ``24 (pid-coords+rank4-desc)``."""
+    names = [BITS.get(1 << i, f"bit{1 << i}") for i in range(variant.bit_length()) if variant >> i & 1]
+    return f"{variant} ({'+'.join(names) or 'as designed'})"
 
 
 def _inputs(B, Tq, Tk, Hq, Hkv, D, dtype, mode):
@@ -139,7 +158,7 @@ def _pattern(name, got, ref):
     return out
 
 
-def child(name, variant):
+def child(name, variant, full=True):
     import math
 
     import torch
@@ -157,6 +176,12 @@ def child(name, variant):
     torch.cuda.synchronize()
     sel = {2: "diag", 4: "off"}.get(variant & 6)
     ro, rlse, rdq, rdk, rdv = _reference(q, k, v, do, scale, sel)
+    if not full:  # one line
+        bad = "  BAD" if _rel(dk, rdk) > 2e-2 or _rel(dv, rdv) > 2e-2 else ""
+        print(f"  {name:18s} dq {_rel(dq, rdq):.2e} dk {_rel(dk, rdk):.2e} dv {_rel(dv, rdv):.2e} nan "
+              f"{int(dq.isnan().sum())}/{int(dk.isnan().sum())}/{int(dv.isnan().sum())}"
+              + (f" (ref: {sel} items)" if sel else "") + bad)
+        return
     print(f"  fwd: o err {_rel(o, ro):.2e}  lse err {_rel(lse, rlse):.2e}  lse shape {tuple(lse.shape)} "
           f"stride {lse.stride()}")
     print(f"  dq {_rel(dq, rdq):.2e}  dk {_rel(dk, rdk):.2e}  dv {_rel(dv, rdv):.2e}"
@@ -183,35 +208,41 @@ def child(name, variant):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--variant", default="0", help="comma list, e.g. 0,1,2,4 (nonzero: only VARIANT_CASES)")
+    ap.add_argument("--variant", default="0",
+                    help="comma list of variants, each an int or a sum of bits, e.g. 0,1,8,16,32,64,8+16+32+64 "
+                    "(nonzero: only VARIANT_CASES, one line each)")
     ap.add_argument("--only", default="")
+    ap.add_argument("--full", action="store_true", help="full output for nonzero variants too")
     ap.add_argument("--child", default="")
     ap.add_argument("--timeout", type=int, default=60)
     args = ap.parse_args()
     if args.child:
-        child(args.child, int(args.variant))
+        child(args.child, parse_variants(args.variant)[0], args.full)
         return
     t_all = time.time()
-    for variant in (int(x) for x in args.variant.split(",")):
+    for variant in parse_variants(args.variant):
+        full = args.full or variant == 0
         names = [n for n in CASES if (n in args.only.split(",") if args.only else
                                       (variant == 0 or n in VARIANT_CASES))]
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1", DFLASH_KERNELS_POISON="1")
         env["DFLASH_CAUSAL_BWD_VARIANT"] = str(variant)
-        print(f"######## variant {variant}")
+        print(f"######## variant {variant_name(variant)}", flush=True)
         for n in names:
             t0 = time.time()
-            print(f"== {n} {CASES[n]} (variant {variant})", flush=True)
+            if full:
+                print(f"== {n} {CASES[n]} (variant {variant})", flush=True)
             try:
                 r = subprocess.run([sys.executable, "-m", "tools.studies.debug_causal_bwd", "--child", n,
-                                    "--variant", str(variant)], env=env, capture_output=True, text=True,
-                                   timeout=args.timeout)
+                                    "--variant", str(variant)] + (["--full"] if full else []), env=env,
+                                   capture_output=True, text=True, timeout=args.timeout)
                 sys.stdout.write(r.stdout)
                 if r.returncode != 0:
                     tail = "\n".join(r.stderr.strip().splitlines()[-8:])
-                    print(f"  FAILED rc {r.returncode}:\n{tail}")
+                    print(f"  {n}: FAILED rc {r.returncode}:\n{tail}")
             except subprocess.TimeoutExpired:
-                print(f"  TIMEOUT after {args.timeout} s (a hang: barrier protocol?)")
-            print(f"  ({time.time() - t0:.1f} s)", flush=True)
+                print(f"  {n}: TIMEOUT after {args.timeout} s (a hang: barrier protocol?)")
+            if full:
+                print(f"  ({time.time() - t0:.1f} s)", flush=True)
     print(f"total {time.time() - t_all:.1f} s")
 
 

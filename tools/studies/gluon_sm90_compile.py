@@ -160,7 +160,10 @@ def compile_gluon_causal_bwd(D: int, kernel: str, G: int = 4, dtype=None):
     opts = {"num_warps": 4, "maxnreg": G_.MAXNREG}
     if kernel == "dkdv":
         cfg = GC.dkdv_config(D)
-        row_desc = G_.descriptor(torch.empty(1, GC.ROWS, G, D, dtype=dtype), GC.ROWS)
+        if GC._debug_variant().get("VARIANT", 0) & 16:  # debug variant: rank-4 [1, 64, 1, D] boxes
+            row_desc = GC.row_descriptor(torch.empty(1, GC.ROWS, G, D, dtype=dtype), GC.ROWS, 1)
+        else:
+            row_desc = G_.descriptor(torch.empty(1, GC.ROWS, G, D, dtype=dtype), GC.ROWS)
         kv_desc = G_.descriptor(torch.empty(1, GC.KH, 2, D, dtype=dtype), GC.KH)
         fn = GC._attn_bwd_causal_dkdv_ws_kernel
         sig = {"q_desc": mangle_type(row_desc), "do_desc": mangle_type(row_desc), "k_desc": mangle_type(kv_desc),

@@ -8,7 +8,18 @@ xfail and not run unless ``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``; ``python -m
 is its diagnostic (per-case subprocesses, per-block / per-row error patterns of dk / dv), and
 ``DFLASH_CAUSAL_BWD_VARIANT`` (an int, read by the launcher; diagnostic only) sets the dk / dv kernel's
 ``VARIANT`` bits: 1 the diagonal mask by selects after the score MMAs instead of in their initial accumulators,
-2 no off-diagonal items, 4 no diagonal items (0, the default: the kernel as designed).
+2 no off-diagonal items, 4 no diagonal items (0, the default: the kernel as designed). Bits 8 to 64 each change
+one thing to what the GPU-verified DFlash dk / dv kernel does: 8 the consumers recompute the program's batch,
+kv head and first key from ``gl.program_id(0)`` (``NBH`` passed in place of ``coords``) instead of reading the
+``coords`` shared buffer that ``_stash_coords`` wrote before ``gl.warp_specialize`` (still written); 16 Q and
+dO through rank-4 TMA descriptors with ``[1, 64, 1, D]`` boxes over ``[B, Tq, Hq, D]`` (the DFlash launcher's
+``row_descriptor(x, 64, 1)``, coordinates ``[b, m, h, 0]``; the launcher and tools/studies/gluon_sm90_compile.py
+build them when the bit is set) instead of rank-3 ``[1, 64, D]`` boxes over ``[B, Tq, Hq * D]``; 32 the
+producer's lse / delta offsets as the DFlash producer's, ``(b.to(int64) * Hq + h) * Tq + t`` per lane, instead
+of the ``_wide`` scalar row plus 32-bit lane offsets; 64 a ``fence_async_shared()`` before the producer's
+``thread_barrier`` after its row stores on the non-suspect path (a memory-ordering hypothesis; the DFlash order,
+row stores after the ``empty`` wait, is kept). Bits combine; tools/studies/debug_causal_bwd.py's
+``--variant`` runs them (e.g. ``--variant 8,16,32,64,8+16+32+64``).
 
 The design: the sibling of the dense causal forward in kernels_gluon_sm90.py (same masks, layouts and lse),
 built like the DFlash backward (kernels_gluon_sm90_dflash_bwd.py: read its docstring for the partitions, the
@@ -94,7 +105,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from dflash_kernels.ops.attention.kernels_gluon_sm90 import (CONSUMER_REGS, GLUON_CONFIGS, LOG2E, PRODUCER_REGS,
                                                              _init_ring, _load_kv, descriptor, score_layout)
 from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import (KH, _dkdv_store, _zero_nonfinite,
-                                                                        dkdv_config, dq_config)
+                                                                        dkdv_config, dq_config, row_descriptor)
 from dflash_kernels.runtime import TritonKernel, alloc, bucket, cdiv
 
 __all__ = ["attention_bwd_gluon_sm90_causal"]
@@ -137,12 +148,15 @@ def _wide(x):
 @gluon.jit
 def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem,
                           row_smem, kv_bar, landed, ready, empty, b, hk, n0, n_items, Tq, Hq, sm_scale,
-                          G: gl.constexpr, NUM_STAGES: gl.constexpr):
+                          G: gl.constexpr, NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr = 0):
     """K and V of the program's key tile, then Q, dO and the row terms of every item into the ring; a suspect
     diagonal item's boxes with their non-finite elements zeroed and the terms of its rows whose lse or delta is
-    not finite NaN (module docstring)."""
+    not finite NaN (module docstring). VARIANT bits 16, 32, 64: debug (module docstring)."""
     R: gl.constexpr = q_desc.block_type.shape[1]
-    D: gl.constexpr = q_desc.block_type.shape[2]
+    if (VARIANT & 16) != 0:  # rank-4 [1, R, 1, D] boxes of the [B, Tq, Hq, D] views
+        D: gl.constexpr = q_desc.block_type.shape[3]
+    else:
+        D: gl.constexpr = q_desc.block_type.shape[2]
     KR: gl.constexpr = k_desc.block_type.shape[1]
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for w in gl.static_range(2):
@@ -159,12 +173,17 @@ def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q
         h = hk * G + i % G
         m = n0 + qt * R
         ok = r < Tq - m
-        row = _wide(b * Hq + h) * _wide(Tq) + m  # a scalar: 32-bit vector offsets (few registers)
         # Row terms before the stage wait (their latency overlaps it). lse -inf (rows past Tq) gives -inf:
         # P = 0 exactly there.
-        lse = gl.load(lse_ptr + row + r, mask=ok, other=float("-inf"))
+        if (VARIANT & 32) != 0:  # debug: the DFlash producer's per-lane int64 row offsets
+            row_v = (b.to(gl.int64) * Hq + h) * Tq + (m + r)
+            lse = gl.load(lse_ptr + row_v, mask=ok, other=float("-inf"))
+            dlt = gl.load(delta_ptr + row_v, mask=ok, other=0.0)
+        else:
+            row = _wide(b * Hq + h) * _wide(Tq) + m  # a scalar: 32-bit vector offsets (few registers)
+            lse = gl.load(lse_ptr + row + r, mask=ok, other=float("-inf"))
+            dlt = gl.load(delta_ptr + row + r, mask=ok, other=0.0)
         nlse = gl.where(lse == float("-inf"), float("-inf"), -lse / sm_scale)
-        dlt = gl.load(delta_ptr + row + r, mask=ok, other=0.0)
         # Every live row sees key 0, so a non-finite lse (-inf too) or delta means a non-finite input.
         fine = (gl.abs(lse) < float("inf")) & (gl.abs(dlt) < float("inf"))  # NaN compares False
         suspect = (qt < 2) & (gl.max(gl.where(ok, 1 - fine.to(gl.int32), 0), axis=0) != 0)
@@ -175,8 +194,12 @@ def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q
             # Rare: load, zero the non-finite elements in place and NaN the terms of the rows that are not
             # fine (before either consumer reads the stage), then announce the stage with a plain arrival.
             mbarrier.expect(landed, nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, m, h * D], landed, q_stage)
-            tma.async_copy_global_to_shared(do_desc, [b, m, h * D], landed, do_stage)
+            if (VARIANT & 16) != 0:
+                tma.async_copy_global_to_shared(q_desc, [b, m, h, 0], landed, q_stage)
+                tma.async_copy_global_to_shared(do_desc, [b, m, h, 0], landed, do_stage)
+            else:
+                tma.async_copy_global_to_shared(q_desc, [b, m, h * D], landed, q_stage)
+                tma.async_copy_global_to_shared(do_desc, [b, m, h * D], landed, do_stage)
             mbarrier.wait(landed, n_landed & 1)
             n_landed += 1
             _zero_nonfinite(q_stage)
@@ -190,11 +213,17 @@ def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q
         else:
             row_smem.index(2 * stage).store(nlse)
             row_smem.index(2 * stage + 1).store(-dlt)
+            if (VARIANT & 64) != 0:  # debug: a proxy fence too (a memory-ordering hypothesis)
+                fence_async_shared()
             gl.thread_barrier()  # every lane's row stores before the (one-lane) arrival below
             bar = ready.index(stage)
             mbarrier.expect(bar, nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, m, h * D], bar, q_stage)
-            tma.async_copy_global_to_shared(do_desc, [b, m, h * D], bar, do_stage)
+            if (VARIANT & 16) != 0:
+                tma.async_copy_global_to_shared(q_desc, [b, m, h, 0], bar, q_stage)
+                tma.async_copy_global_to_shared(do_desc, [b, m, h, 0], bar, do_stage)
+            else:
+                tma.async_copy_global_to_shared(q_desc, [b, m, h * D], bar, q_stage)
+                tma.async_copy_global_to_shared(do_desc, [b, m, h * D], bar, do_stage)
 
 
 @gluon.jit
@@ -250,9 +279,13 @@ def _causal_dkdv_item(dk, dv, kt, vt, q, do, rows_buf, stage, qk_scale, shift, D
 def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
                           coords, n_items, Tk, Hkv, qk_scale, sm_scale, WG: gl.constexpr, G: gl.constexpr,
                           NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr = 0):
-    """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program."""
+    """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program.
+    With VARIANT bit 8 (debug) ``coords`` is ``NBH`` (an int) and the coordinates come from the program id."""
     R: gl.constexpr = q_smem.shape[2]
-    D: gl.constexpr = q_smem.shape[3]
+    if (VARIANT & 16) != 0:  # rank-4 [1, R, 1, D] boxes
+        D: gl.constexpr = q_smem.shape[4]
+    else:
+        D: gl.constexpr = q_smem.shape[3]
     KROWS: gl.constexpr = k_smem.shape[2]
     s_layout: gl.constexpr = score_layout(R)
     o_layout: gl.constexpr = score_layout(D)
@@ -282,7 +315,14 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         mbarrier.arrive(empty.index(stage))
     # Every MMA that read this consumer's K / V boxes has completed: they stage the stores. The program's
     # coordinates come from shared memory: held in registers across the loop, they spilled to local memory.
-    b, hk, n0 = _load_coords(coords)
+    if (VARIANT & 8) != 0:  # debug: recomputed from the program id (``coords`` is NBH), as the kernel does
+        pid = gl.program_id(0)
+        pid_bh = pid % coords
+        b = pid_bh // Hkv
+        hk = pid_bh % Hkv
+        n0 = (pid // coords) * (2 * KROWS)
+    else:
+        b, hk, n0 = _load_coords(coords)
     first = n0 + WG * KROWS
     _dkdv_store(dk * sm_scale, k_smem.index(WG), dk_ptr, b, hk, first, Tk, Hkv, D)
     _dkdv_store(dv, v_smem.index(WG), dv_ptr, b, hk, first, Tk, Hkv, D)
@@ -294,9 +334,14 @@ def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_
                                     NUM_STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                                     PRODUCER_REGS: gl.constexpr, VARIANT: gl.constexpr = 0):
     """One program: the 128-key tile ``pid // NBH`` of (batch, kv head) ``pid % NBH`` (``NBH = B * Hkv``),
-    key tiles ascending (the longest programs first), heads fastest."""
+    key tiles ascending (the longest programs first), heads fastest. ``VARIANT``: debug bits (module
+    docstring; 0 the kernel as designed)."""
     R: gl.constexpr = q_desc.block_type.shape[1]
-    D: gl.constexpr = q_desc.block_type.shape[2]
+    if (VARIANT & 16) != 0:  # debug: rank-4 [1, R, 1, D] boxes of the [B, Tq, Hq, D] views
+        gl.static_assert(q_desc.block_type.shape[2] == 1, "one head per box")
+        D: gl.constexpr = q_desc.block_type.shape[3]
+    else:
+        D: gl.constexpr = q_desc.block_type.shape[2]
     KROWS: gl.constexpr = k_desc.block_type.shape[1]
     gl.static_assert((D == 64) or (D == 128), "head dim 64 or 128")
     gl.static_assert(KROWS == 64, "a consumer warpgroup owns 64 keys")
@@ -330,15 +375,29 @@ def _attn_bwd_causal_dkdv_ws_kernel(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_
     # The barriers are completed by TMA (the async proxy): make their initialisation visible to it.
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
-                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 0, G, NUM_STAGES, VARIANT)),
-        (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready, empty,
-                                 coords, n_items, Tk, Hkv, qk_scale, sm_scale, 1, G, NUM_STAGES, VARIANT)),
-        (_causal_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem,
-                                 v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0,
-                                 n_items, Tq, Hq, sm_scale, G, NUM_STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if (VARIANT & 8) != 0:
+        # Debug: the consumers recompute their coordinates from the program id (NBH in place of ``coords``).
+        gl.warp_specialize([
+            (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready,
+                                     empty, NBH, n_items, Tk, Hkv, qk_scale, sm_scale, 0, G, NUM_STAGES, VARIANT)),
+            (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready,
+                                     empty, NBH, n_items, Tk, Hkv, qk_scale, sm_scale, 1, G, NUM_STAGES, VARIANT)),
+            (_causal_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem,
+                                     v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0,
+                                     n_items, Tq, Hq, sm_scale, G, NUM_STAGES, VARIANT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready,
+                                     empty, coords, n_items, Tk, Hkv, qk_scale, sm_scale, 0, G, NUM_STAGES,
+                                     VARIANT)),
+            (_causal_dkdv_consumer, (dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_smem, kv_bar, ready,
+                                     empty, coords, n_items, Tk, Hkv, qk_scale, sm_scale, 1, G, NUM_STAGES,
+                                     VARIANT)),
+            (_causal_dkdv_producer, (q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem,
+                                     v_smem, row_smem, kv_bar, landed, ready, empty, b, hk, n0,
+                                     n_items, Tq, Hq, sm_scale, G, NUM_STAGES, VARIANT)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------------------ dq
@@ -529,11 +588,16 @@ def attention_bwd_gluon_sm90_causal(do: torch.Tensor, q: torch.Tensor, k: torch.
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
 
     cfg = dkdv_config(D)
+    variant = _debug_variant()
+    if variant.get("VARIANT", 0) & 16:  # debug: rank-4 [1, 64, 1, D] boxes (the DFlash kernel's, GH = 1)
+        q_desc, do_desc = row_descriptor(q, ROWS, 1), row_descriptor(do, ROWS, 1)
+    else:
+        q_desc, do_desc = descriptor(q, ROWS), descriptor(do, ROWS)
     attention_bwd_gluon_causal_dkdv_kernel(
-        (cdiv(Tk, BN_KV) * B * Hkv, ), descriptor(q, ROWS), descriptor(do, ROWS), descriptor(k, KH),
+        (cdiv(Tk, BN_KV) * B * Hkv, ), q_desc, do_desc, descriptor(k, KH),
         descriptor(v, KH), dk, dv, lse, delta, Tq, Tk, Hq, Hkv, B * Hkv, scale * LOG2E, scale,
         bucket=buckets, G=G, NUM_STAGES=cfg["NUM_STAGES"], CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        **_debug_variant())
+        **variant)
     return dq, dk, dv
 
 
