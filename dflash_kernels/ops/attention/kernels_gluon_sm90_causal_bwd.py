@@ -1,8 +1,7 @@
 """Warp-specialized Hopper (sm_90) backward in Gluon for dense causal attention, NOT dispatched: the op
-(attention.py) runs the portable backward after the Gluon causal forward. On this backward's first GPU run
-(H100, torch 2.11, triton 3.6, 2026-12-07) its dq matched SDPA (relative error 3e-3) and its dk / dv did not
-(relative error 1.07 / 4.46 at B=2 H=32 L=8192 D=128, 0.99 / 1.12 at B=4 L=4096 GQA 4, dk 1.49 at T=128 GQA 1),
-and a later test in the same process found the CUDA context faulted; the cause is not found. Its tests
+(attention.py) runs the portable backward after the Gluon causal forward. On a GPU its dq matches the
+reference and its dk / dv do not, and a test of it left the CUDA context faulted (benchmarks/results/README.md,
+"first run of the Gluon causal backward"); the cause is not found. Its tests
 (tests/ops/test_attention_gluon_sm90_causal_bwd.py, and test_every_candidate's cases of its two kernels) are
 xfail and not run unless ``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``; ``python -m tools.studies.debug_causal_bwd``
 is its diagnostic (per-case subprocesses, per-block / per-row error patterns of dk / dv), and
