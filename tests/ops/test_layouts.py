@@ -497,8 +497,11 @@ def _lce_build(dtype=F32, weights_dtype=F32, labels_dtype=torch.int64, reduction
 
 
 def _lce_cases():
+    # An expanded weight repeats one vocabulary row: every logit of a row is then the same up to the bias, the
+    # hidden gradient is exactly 0 up to rounding (sum_v (p_v - y_v) w_v with w_v equal), so the comparison would
+    # be of two rounding residuals, which depend on the CPU's summation order (they differed on an AVX2 machine).
     c = dict(call=dk.linear_cross_entropy, grads=("hidden", "weight", "bias"), ref=ref.naive_linear_cross_entropy,
-             out_dtypes=_dtypes_like(F32, F32, torch.int64))
+             out_dtypes=_dtypes_like(F32, F32, torch.int64), skip=(("weight", "expanded"),))
     b = _lce_build
     return [Case("lce-mean", "linear_cross_entropy", _seeded(b), **c),
             Case("lce-none-softcap", "linear_cross_entropy",
