@@ -4,12 +4,8 @@
 # Usage, from the repository root: bash tools/gpu/gpu_check.sh "<pytest paths/args>" "<benchmarks/ops.py args>"
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check_out}
-mkdir -p "$OUT" /tmp/peers
-if ls .peers/*.whl >/dev/null 2>&1; then
-  tar xzf .peers/causal_conv1d-*-site.tgz -C /tmp/peers &&
-  python3 -m pip install -q --no-index --no-deps --target /tmp/peers .peers/*.whl
-  export PYTHONPATH=/tmp/peers:${PYTHONPATH:-}
-fi
+mkdir -p "$OUT"
+source "$(dirname "$0")/peers_env.sh"
 export PYTHONUNBUFFERED=1 DFLASH_KERNELS_CACHE_DIR=/tmp/dk_cache
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"

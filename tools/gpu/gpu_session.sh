@@ -20,14 +20,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu_session_out}
 STAGES=",${1:-ext,tests,train,pipe,warm,conv,attention,gdn,overhead,tok_s},"
 has() { [[ $STAGES == *,$1,* ]]; }
-mkdir -p "$OUT" /tmp/peers
+mkdir -p "$OUT"
 T0=$(date +%s)
 stamp() { echo "[gpu_session +$(( $(date +%s) - T0 ))s] $*" | tee -a "$OUT/stages.txt"; }
-if ls .peers/*.whl >/dev/null 2>&1; then
-  tar xzf .peers/causal_conv1d-*-site.tgz -C /tmp/peers &&
-  python3 -m pip install -q --no-index --no-deps --target /tmp/peers .peers/*.whl
-  export PYTHONPATH=/tmp/peers:${PYTHONPATH:-}
-fi
+source "$(dirname "$0")/peers_env.sh"
 [ -d .cache/dflash_trainer ] && export XDG_CACHE_HOME=$PWD/.cache
 export PYTHONUNBUFFERED=1 DFLASH_KERNELS_CACHE_DIR=/tmp/dk_cache
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
