@@ -17,8 +17,9 @@ build them when the bit is set) instead of rank-3 ``[1, 64, D]`` boxes over ``[B
 producer's lse / delta offsets as the DFlash producer's, ``(b.to(int64) * Hq + h) * Tq + t`` per lane, instead
 of the ``_wide`` scalar row plus 32-bit lane offsets; 64 a ``fence_async_shared()`` before the producer's
 ``thread_barrier`` after its row stores on the non-suspect path (a memory-ordering hypothesis; the DFlash order,
-row stores after the ``empty`` wait, is kept). Bits combine; tools/studies/debug_causal_bwd.py's
-``--variant`` runs them (e.g. ``--variant 8,16,32,64,8+16+32+64``).
+row stores after the ``empty`` wait, is kept); 128 the two consumer warpgroups swap their 64-key blocks (does
+an error follow the partition or the keys?). Bits combine; tools/studies/debug_causal_bwd.py's ``--variant``
+runs them (e.g. ``--variant 8,16,32,64,8+16+32+64``).
 
 The design: the sibling of the dense causal forward in kernels_gluon_sm90.py (same masks, layouts and lse),
 built like the DFlash backward (kernels_gluon_sm90_dflash_bwd.py: read its docstring for the partitions, the
@@ -279,7 +280,12 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
                           coords, n_items, Tk, Hkv, qk_scale, sm_scale, WG: gl.constexpr, G: gl.constexpr,
                           NUM_STAGES: gl.constexpr, VARIANT: gl.constexpr = 0):
     """Consumer warpgroup ``WG``: dK, dV of keys ``n0 + 64 WG + [0, 64)`` over every item of the program.
-    With VARIANT bit 8 (debug) ``coords`` is ``NBH`` (an int) and the coordinates come from the program id."""
+    With VARIANT bit 8 (debug) ``coords`` is ``NBH`` (an int) and the coordinates come from the program id;
+    with bit 128 (debug) the two warpgroups swap their key blocks (``WG`` 0 takes keys ``n0 + 64 + [0, 64)``)."""
+    if (VARIANT & 128) != 0:
+        KB: gl.constexpr = 1 - WG
+    else:
+        KB: gl.constexpr = WG
     R: gl.constexpr = q_smem.shape[2]
     if (VARIANT & 16) != 0:  # rank-4 [1, R, 1, D] boxes
         D: gl.constexpr = q_smem.shape[4]
@@ -290,8 +296,8 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
     o_layout: gl.constexpr = score_layout(D)
     dk = gl.zeros([KROWS, D], gl.float32, o_layout)
     dv = gl.zeros([KROWS, D], gl.float32, o_layout)
-    kt = k_smem.index(WG).reshape([KROWS, D])
-    vt = v_smem.index(WG).reshape([KROWS, D])
+    kt = k_smem.index(KB).reshape([KROWS, D])
+    vt = v_smem.index(KB).reshape([KROWS, D])
     mbarrier.wait(kv_bar, 0)
     for i in range(n_items):
         stage = i % NUM_STAGES
@@ -300,14 +306,14 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
         q = q_smem.index(stage).reshape([R, D])
         do = do_smem.index(stage).reshape([R, D])
-        shift = (qt - WG) * R
+        shift = (qt - KB) * R
         # VARIANT (debug, DFLASH_CAUSAL_BWD_VARIANT): bit 1 the diagonal mask after the MMAs, bit 2 no
         # off-diagonal items, bit 4 no diagonal items.
-        if qt > WG:
+        if qt > KB:
             if (VARIANT & 2) == 0:
                 dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, False,
                                            s_layout, o_layout)
-        elif qt == WG:
+        elif qt == KB:
             if (VARIANT & 4) == 0:
                 dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, True,
                                            s_layout, o_layout, (VARIANT & 1) != 0)
@@ -322,9 +328,9 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         n0 = (pid // coords) * (2 * KROWS)
     else:
         b, hk, n0 = _load_coords(coords)
-    first = n0 + WG * KROWS
-    _dkdv_store(dk * sm_scale, k_smem.index(WG), dk_ptr, b, hk, first, Tk, Hkv, D)
-    _dkdv_store(dv, v_smem.index(WG), dv_ptr, b, hk, first, Tk, Hkv, D)
+    first = n0 + KB * KROWS
+    _dkdv_store(dk * sm_scale, k_smem.index(KB), dk_ptr, b, hk, first, Tk, Hkv, D)
+    _dkdv_store(dv, v_smem.index(KB), dv_ptr, b, hk, first, Tk, Hkv, D)
 
 
 @gluon.jit
