@@ -15,6 +15,8 @@ Environment variables (read at import, overridable from Python):
 - ``DFLASH_KERNELS_GDN_SAVE_STATES=1``, ``DFLASH_KERNELS_GDN_FWD_SPLIT=1|0``: the GDN forward's variants
   (:func:`gdn_save_states`, :func:`gdn_fwd_split`).
 - ``DFLASH_KERNELS_GDN_BWD_LOCAL=twopass|onepass|group``: the GDN backward's local kernel (:func:`gdn_bwd_local`).
+- ``DFLASH_KERNELS_GDN_FWD_PREPARE=split|fused``: the GDN forward's per-chunk preparation, its solve and w/u
+  kernels (``split``, the default) or one kernel doing both (``fused``, opt-in) (:func:`gdn_fwd_prepare`).
 """
 
 import contextlib
@@ -72,6 +74,21 @@ def gdn_bwd_local() -> str:
     value = os.environ.get("DFLASH_KERNELS_GDN_BWD_LOCAL", "twopass").strip().lower() or "twopass"
     if value not in GDN_BWD_LOCAL_MODES:
         raise ValueError(f"DFLASH_KERNELS_GDN_BWD_LOCAL: expected one of {', '.join(GDN_BWD_LOCAL_MODES)}, "
+                         f"got {value!r}")
+    return value
+
+
+GDN_FWD_PREPARE_MODES = ("split", "fused")
+
+
+def gdn_fwd_prepare() -> str:
+    """``DFLASH_KERNELS_GDN_FWD_PREPARE``: how the GDN forward prepares each chunk (t_bad, G, A = (I + L)^-1, then
+    w and u). ``split`` (default): the solve kernel, then the w/u kernel, which reads A, G, k, v and beta back from
+    memory; ``fused``: one kernel doing both per chunk and value head (``kernels_fwd_fused.py``; the same results).
+    The backward's recompute of w and u keeps the w/u kernel either way. Another value raises ValueError naming it."""
+    value = os.environ.get("DFLASH_KERNELS_GDN_FWD_PREPARE", "split").strip().lower() or "split"
+    if value not in GDN_FWD_PREPARE_MODES:
+        raise ValueError(f"DFLASH_KERNELS_GDN_FWD_PREPARE: expected one of {', '.join(GDN_FWD_PREPARE_MODES)}, "
                          f"got {value!r}")
     return value
 

@@ -1,6 +1,6 @@
 """Shared memory, registers and register spills of the library's tuning candidates on sm_90, without a GPU.
 
-    python -m tools.studies.sm90_resources [attention|attention_sm90|gdn|conv ...]
+    python -m tools.studies.sm90_resources [attention|attention_sm90|gdn|gdn_prepare|conv ...]
 
 Each candidate config of a kernel is compiled for Hopper (sm_90) with Triton's own toolchain
 (ptxas, cuobjdump ship with the triton wheel) at the DFlash training step's shapes (each ``*_cases``
@@ -165,6 +165,32 @@ def gdn_cases():
             yield name, kern.fn, types, meta, c
 
 
+def gdn_prepare_cases():
+    """The GDN forward's fused solve and w/u kernel (kernels_fwd_fused.py, ``DFLASH_KERNELS_GDN_FWD_PREPARE=fused``),
+    both candidate lists, beside the split path's two kernels at the same shape: Qwen3.5 GDN (Hk = 16, Hv = 48,
+    K = V = 128, chunk 64), bf16 (and fp32) k, v and beta, fp32 g; plain gate and beta, then the raw gate with
+    dt_bias and beta logits (the fused kernel's heaviest form)."""
+    from dflash_kernels.ops.gated_delta_rule import kernels_fwd as KF
+    from dflash_kernels.ops.gated_delta_rule import kernels_fwd_fused as KFF
+    i32 = ("cu_seqlens_ptr", "chunk_indices_ptr", "t_bad_ptr")
+    common = dict(HK=16, HV=48, K=128, V=128, BT=64, BK=128, IS_VARLEN=False)
+    gate = dict(GATE=True, HAS_DT_BIAS=True, BETA_MODE=1)
+    for name, kern, extra in [
+        ("gdn_fwd_solve", KF.gdn_fwd_solve_kernel.default, {}),
+        ("gdn_fwd_wu", KF.gdn_fwd_wu_kernel.default, {"HAS_T_BAD": True}),
+        ("gdn_fwd_prepare", KFF.gdn_fwd_prepare_kernel.default, {}),
+        ("gdn_fwd_prepare gate", KFF.gdn_fwd_prepare_kernel.default, gate),
+        ("gdn_fwd_prepare_fp32", KFF.gdn_fwd_prepare_kernel.fp32, {}),
+    ]:
+        # A_log, dt_bias and g fp32 (as the op passes them), the rest in the list's dtype
+        fp32 = ("gcum_ptr", "A_ptr", "g_ptr", "A_log_ptr", "dt_bias_ptr")
+        if name.endswith("fp32"):
+            fp32 += ("k_ptr", "v_ptr", "beta_ptr", "w_ptr", "u_ptr")
+        types = _types(inspect.signature(kern.fn.fn).parameters, fp32=fp32, i32=i32)
+        for c in kern.configs:
+            yield name, kern.fn, types, {**common, **extra, **c.meta}, c
+
+
 def conv_cases():
     """Causal conv1d, width 4, SiLU, bias, bf16, channel-first with 16-byte aligned rows."""
     from dflash_kernels.ops.conv1d import kernels as C
@@ -179,12 +205,13 @@ def conv_cases():
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("ops", nargs="*", default=["attention", "gdn", "conv"],
-                        help="attention, attention_sm90 (the Hopper forward), gdn and/or conv")
+                        help="attention, attention_sm90 (the Hopper forward), gdn, gdn_prepare (the forward's fused "
+                             "solve and w/u beside the split path's two kernels) and/or conv")
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("sm90_resources: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)")
     cases = {"attention": attention_cases, "attention_sm90": attention_sm90_cases, "gdn": gdn_cases,
-             "conv": conv_cases}
+             "gdn_prepare": gdn_prepare_cases, "conv": conv_cases}
     for op in args.ops:
         if op not in cases:
             raise SystemExit(f"sm90_resources: unknown op {op!r}; choose from {sorted(cases)}")

@@ -1,9 +1,9 @@
 """Gated delta rule: launchers, custom ops with their autograd, the public functions.
 
 - chunked scan (training, prefill): the launchers ``chunk_gated_delta_rule_fwd`` / ``_bwd`` (allocate,
-  grid, launch the kernels of ``kernels_fwd.py``, ``kernels_bwd.py`` and ``kernels_l2norm.py``), the
-  custom ops ``dflash_kernels::gdn_chunk_fwd`` / ``gdn_chunk_bwd`` (fake + autograd) and
-  ``chunk_gated_delta_rule``;
+  grid, launch the kernels of ``kernels_fwd.py``, ``kernels_fwd_fused.py``, ``kernels_bwd.py`` and
+  ``kernels_l2norm.py``), the custom ops ``dflash_kernels::gdn_chunk_fwd`` / ``gdn_chunk_bwd`` (fake +
+  autograd) and ``chunk_gated_delta_rule``;
 - token by token (decoding, forward only): the custom op ``dflash_kernels::gdn_recurrent_fwd`` over
   ``kernels_recurrent.py`` and ``fused_recurrent_gated_delta_rule``.
 
@@ -21,6 +21,7 @@ from dflash_kernels.ops.gated_delta_rule.kernels_bwd import (gdn_bwd_group_kerne
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_output_kernel, gdn_fwd_scan_kernel,
                                                              gdn_fwd_scan_states_kernel, gdn_fwd_solve_kernel,
                                                              gdn_fwd_wu_kernel)
+from dflash_kernels.ops.gated_delta_rule.kernels_fwd_fused import gdn_fwd_prepare_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_kernel, gdn_l2norm_fwd_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_recurrent import gdn_recurrent_fwd_kernel
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
@@ -121,13 +122,15 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     return dx
 
 
-def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0):
+def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, fused=False):
     """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U;
     returns ``(A, gcum, w, u, t_bad)``. gate: (A_log, dt_bias or None) when g is the raw gate; beta_mode:
     1, 2 when beta holds logits. Without A the solve first finds t_bad [chunks, Hv] int32, per chunk and
     value head the first row (inside the chunk) whose k, v, g or beta is NaN / Inf, 64 where none is
     (kernels_fwd.py's docstring: the rows from it on are read as 0, and the scan's outputs from it on are
-    NaN); the backward's recompute (A given) reads every row, and t_bad is None."""
+    NaN); the backward's recompute (A given) reads every row, and t_bad is None. fused (without A only;
+    ``DFLASH_KERNELS_GDN_FWD_PREPARE=fused``): one kernel does the solve and w/u (kernels_fwd_fused.py),
+    with the same results as the two."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
@@ -141,6 +144,12 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0):
     u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
     if not load_a:
         A_log, dt_bias = gate if gate is not None else (None, None)
+        if fused:
+            gdn_fwd_prepare_kernel.of(k)((n_chunks, Hv), k, v, g, beta, A_log, dt_bias, t_bad, gcum, A, w, u, cu,
+                                         indices, T, row_stride(v), bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K,
+                                         V=V, BT=BT, BK=_block(K), IS_VARLEN=cu is not None, GATE=gate is not None,
+                                         HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
+            return A, gcum, w, u, t_bad
         gdn_fwd_solve_kernel.of(k)((n_chunks, Hv), k, v, g, beta, A_log, dt_bias, t_bad, gcum, A, cu, indices, T,
                                    row_stride(v), bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT,
                                    BK=_block(K), IS_VARLEN=cu is not None, GATE=gate is not None,
@@ -219,18 +228,23 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     A NaN / Inf in k, v, g or beta reaches no output before its token (kernels_fwd.py's docstring:
     the solve finds each chunk's first such row, which it and the w/u and scan kernels respect).
 
+    ``DFLASH_KERNELS_GDN_FWD_PREPARE`` (``settings.gdn_fwd_prepare``): ``split`` (default) launches the solve and
+    the w/u kernels, ``fused`` one kernel doing both per chunk and value head (kernels_fwd_fused.py): the same
+    A, gcum, w and u, so the same outputs and gradients.
+
     Other splits of the forward were slower when timed and not kept (w and u folded into
-    the scan; the l2norm inside the solve, w/u and scan kernels; solve and w/u in one kernel; the
-    output's terms precomputed for a shorter scan step): benchmarks/results/README.md.
+    the scan; the l2norm inside the solve, w/u and scan kernels; an earlier kernel doing solve and w/u,
+    "prep"; the output's terms precomputed for a shorter scan step): benchmarks/results/README.md.
     """
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
+    prepare = settings.gdn_fwd_prepare()  # DFLASH_KERNELS_GDN_FWD_PREPARE: a bad value fails before any launch
     if use_qk_l2norm:
         q, _ = l2norm_fwd(q)
         k, _ = l2norm_fwd(k)
     layout = _layout(B, T, cu_seqlens, chunk_indices, chunk_offsets)
     gate = None if A_log is None else (A_log, dt_bias)
-    A, gcum, w, u, t_bad = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode)
+    A, gcum, w, u, t_bad = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode, fused=prepare == "fused")
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(layout[0], Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32,
                               device=k.device)

@@ -1,0 +1,237 @@
+"""The GDN forward's per-chunk preparation, split (the solve kernel, then the w/u kernel) against fused (one kernel
+doing both, kernels_fwd_fused.py), timed against each other in one run.
+
+    python -m tools.studies.ab_gdn_fwd_prepare [--check] [--shapes 1x32768,packed4x32768] [--modes split,fused]
+                                               [--quick] [--out FILE] [--no-record] [--timeout S]
+
+Modes (``DFLASH_KERNELS_GDN_FWD_PREPARE``, read by each forward): ``split`` (the default) and ``fused``. Each mode
+runs in a process of its own with the variable set, over the shapes of ``benchmarks/bench_gdn.py``'s ``issue45``
+set: Hk=16, K=V=128, Hv=32 at 1x3072, 1x8192, 4x8192, 1x32768 and a packed batch of 4 documents summing to 32768
+(``cu_seqlens``), and Hv=48 at 4x4096; bf16 q, k, v and beta, fp32 g, ``use_qk_l2norm_in_kernel=True``, no
+initial or final state (training).
+
+Per shape and mode: ``fwd_ms`` (the forward under ``torch.no_grad``) and ``fwdbwd_ms`` (the forward and
+``torch.autograd.grad`` over q, k, v, g, beta), ``triton.testing.do_bench`` medians; ``peak_MiB`` of the forward
+and backward; ``prep_us``, the device time per forward of its prep kernels (split: the solve and the w/u kernel;
+fused: the one kernel), and the forward's heaviest kernels (torch.profiler); ``fwd_speedup_vs_split`` and
+``fwdbwd_speedup_vs_split``.
+
+``--check``: each mode's process first runs the prep (A, G, w, u, t_bad, through the launcher ``_prep`` after the
+l2norm), the forward (o and the final state) and the backward (every gradient: it reads the forward's A and G)
+with ``split`` and with its own mode on the same inputs, and reports each tensor's relative error to split's
+(``rel_err_<name>``), the names of those not bit for bit split's (``not_bitwise``), and ``check``: "ok" or
+what exceeded the tolerance. The two run the same operations, so the results should be split's bit for bit; the
+tuned blocks of the w/u products may differ between the two kernels (one rounding of w and u apart at most).
+
+Prints a table, appends the rows (op ``gdn_fwd_prepare``) to ``benchmarks/results/ops.jsonl`` with the GPU,
+versions and date unless ``--no-record``, and with ``--out FILE`` also writes them there as JSON lines. Off the
+GPU the processes run ``bench_gdn``'s tiny fp32 ``issue45`` shapes through the interpreter (set
+``TRITON_INTERPRET=1``) and record nothing: a check that the job runs, not a timing.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library
+
+MODES = ("split", "fused")
+ENV = "DFLASH_KERNELS_GDN_FWD_PREPARE"
+PREP = ("A", "gcum", "w", "u", "t_bad")
+GRADS = ("dq", "dk", "dv", "dg", "dbeta")
+# The prep kernels' names as the profiler reports them (Triton's kernel names), per mode.
+PREP_KERNELS = {"split": ("_gdn_fwd_solve_kernel", "_gdn_fwd_wu_kernel"), "fused": ("_gdn_fwd_prepare_kernel",)}
+
+
+def _tolerance(name, dtype):
+    """Bound on a tensor's relative error to split's: t_bad exact; the rest one rounding of the products' sums (fp32
+    A and G, and fp32 inputs), or of bf16 w, u and what follows from them."""
+    import torch
+    if name == "t_bad":
+        return 0.0
+    return 1e-5 if dtype == torch.float32 or name in ("A", "gcum") else 1e-2
+
+
+def _device_us(fn, calls=5):
+    """Device microseconds per call of ``fn``, by kernel name (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / calls for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+def _with_mode(mode, fn):
+    """``fn()`` with the forward's prep ``mode``."""
+    prev = os.environ.get(ENV)
+    os.environ[ENV] = mode
+    try:
+        return fn()
+    finally:
+        if prev is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = prev
+
+
+def _bitwise(a, b):
+    """Bit for bit equal, NaN where the other is NaN."""
+    import torch
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point():
+        return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+    return bool(torch.equal(a, b))
+
+
+def _check(row, tensors, kwargs, s, device, dtype, do):
+    """Fill ``row`` with each tensor's relative error to split's (module docstring)."""
+    import torch
+
+    from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+    from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn
+    from dflash_kernels.runtime import settings
+    from tests.helpers import rel_err
+
+    q, k, v, g, beta = tensors
+    layout = gdn._varlen_layout(kwargs["cu_seqlens"], s["B"], s["T"], device)
+
+    def results():
+        with torch.no_grad():
+            kn = gdn.l2norm_fwd(k)[0]
+            prep = gdn._prep(kn, v, g, beta, layout, fused=settings.gdn_fwd_prepare() == "fused")
+            o, ht = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, **kwargs)
+        o_grad = chunk_gated_delta_rule(*tensors, **kwargs)[0]
+        grads = torch.autograd.grad(o_grad, tensors, do)
+        return dict(zip(PREP + ("o", "final_state") + GRADS, (*prep, o, ht, *grads)))
+
+    got = results()
+    ref = _with_mode("split", results)
+    over, not_bitwise = [], []
+    for name, a in got.items():
+        b = ref[name]
+        if not _bitwise(a, b):
+            not_bitwise.append(name)
+        err = rel_err(a.float(), b.float()) if a.is_floating_point() else float(not torch.equal(a, b))
+        row[f"rel_err_{name}"] = err
+        if not err <= _tolerance(name, dtype):
+            over.append(f"{name}={err:.3g}")
+    row["not_bitwise"] = not_bitwise
+    row["check"] = f"FAILED against split: {', '.join(over)}" if over else "ok"
+
+
+def worker(mode, only, check, quick):
+    """Rows of one mode (``ENV`` set by the parent), printed as ``ROW {json}`` lines."""
+    import torch
+    from bench_common import bench_ms, peak_mib
+    from bench_gdn import _cu_seqlens, _inputs, _shape_name, _shape_set
+
+    from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    assert os.environ.get(ENV) == mode, (os.environ.get(ENV), mode)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    for label, s in _shape_set("issue45", only, cuda).items():
+        row = {"op": "gdn_fwd_prepare", "impl": mode, "label": label, "shape": _shape_name(s), "dtype": str(dtype)}
+        try:
+            torch.manual_seed(0)
+            tensors = _inputs(s, device, dtype)
+            kwargs = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=_cu_seqlens(s, device))
+            do = torch.randn(s["B"], s["T"], s["Hv"], s["V"], device=device, dtype=dtype)
+
+            def fwd():
+                with torch.no_grad():
+                    return chunk_gated_delta_rule(*tensors, **kwargs)
+
+            def fwd_bwd():
+                return torch.autograd.grad(chunk_gated_delta_rule(*tensors, **kwargs)[0], tensors, do)
+
+            if check:
+                _check(row, tensors, kwargs, s, device, dtype, do)
+            row["fwd_ms"] = bench_ms(fwd, quick, cuda)
+            row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, cuda)
+            row["peak_MiB"] = peak_mib(fwd_bwd, cuda)
+            if cuda:
+                us = _device_us(fwd)
+                row["prep_us"] = sum(t for k, t in us.items() if k.startswith(PREP_KERNELS[mode]))
+                row["fwd_device_us"] = sum(us.values())
+                row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:8]}
+        except Exception as e:  # noqa: BLE001 - one shape's failure (out of memory, say) costs its row only
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print("ROW", json.dumps(row), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _table(rows):
+    base = {r["label"]: r for r in rows if r.get("impl") == "split" and isinstance(r.get("fwdbwd_ms"), float)}
+    lines = [f"{'shape':16s} {'mode':6s} {'fwd ms':>8s} {'vs split':>8s} {'fwd+bwd ms':>10s} {'vs split':>8s} "
+             f"{'prep us':>8s} {'peak MiB':>9s}  check"]
+    for r in rows:
+        if "error" in r or "fwdbwd_ms" not in r:
+            lines.append(f"{r.get('label', '-'):16s} {r.get('impl', '-'):6s} error: {r.get('error', '?')[:150]}")
+            continue
+        b = base.get(r["label"])
+        if b is not None:
+            r["fwd_speedup_vs_split"] = b["fwd_ms"] / r["fwd_ms"]
+            r["fwdbwd_speedup_vs_split"] = b["fwdbwd_ms"] / r["fwdbwd_ms"]
+        fwd = f"{r['fwd_speedup_vs_split']:.3f}x" if "fwd_speedup_vs_split" in r else "-"
+        both = f"{r['fwdbwd_speedup_vs_split']:.3f}x" if "fwdbwd_speedup_vs_split" in r else "-"
+        check = r.get("check", "")
+        if r.get("not_bitwise"):
+            check += f" (not bit for bit: {', '.join(r['not_bitwise'])})"
+        lines.append(f"{r['label']:16s} {r['impl']:6s} {r['fwd_ms']:8.3f} {fwd:>8s} {r['fwdbwd_ms']:10.3f} "
+                     f"{both:>8s} {r.get('prep_us', float('nan')):8.1f} {r.get('peak_MiB', float('nan')):9.1f}  "
+                     f"{check}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated (default: both)")
+    p.add_argument("--shapes", default="", help="shape labels of the issue45 set, comma-separated (default: all)")
+    p.add_argument("--check", action="store_true", help="compare each mode's prep, outputs and gradients with "
+                                                        "split's first")
+    p.add_argument("--quick", action="store_true", help="shorter do_bench runs")
+    p.add_argument("--out", help="also write the rows to FILE as JSON lines")
+    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/ops.jsonl")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per mode's process (default 1200)")
+    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    only = [x for x in args.shapes.split(",") if x] or None
+    if args.worker:
+        return worker(args.worker, only, args.check, args.quick)
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"ab_gdn_fwd_prepare: unknown modes {bad}; choose from {', '.join(MODES)}")
+
+    import torch
+    from bench_common import run_rows
+
+    rows = []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for mode in modes:
+        cmd = [sys.executable, "-m", "tools.studies.ab_gdn_fwd_prepare", "--worker", mode]
+        cmd += (["--shapes", ",".join(only)] if only else []) + (["--check"] if args.check else [])
+        cmd += ["--quick"] if args.quick else []
+        rows += run_rows(cmd, "gdn_fwd_prepare", mode, args.timeout, env={**env, ENV: mode})
+    print(_table(rows))
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    if not args.no_record and torch.cuda.is_available():
+        from ops import record_rows
+        record_rows(rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
