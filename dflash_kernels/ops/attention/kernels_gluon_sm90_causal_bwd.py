@@ -18,7 +18,8 @@ producer's lse / delta offsets as the DFlash producer's, ``(b.to(int64) * Hq + h
 of the ``_wide`` scalar row plus 32-bit lane offsets; 64 a ``fence_async_shared()`` before the producer's
 ``thread_barrier`` after its row stores on the non-suspect path (a memory-ordering hypothesis; the DFlash order,
 row stores after the ``empty`` wait, is kept); 128 the two consumer warpgroups swap their 64-key blocks (does
-an error follow the partition or the keys?). Bits combine; tools/studies/debug_causal_bwd.py's ``--variant``
+an error follow the partition or the keys?); 256 every item through the masked item's one call site (its
+mask all-true off the diagonal). Bits combine; tools/studies/debug_causal_bwd.py's ``--variant``
 runs them (e.g. ``--variant 8,16,32,64,8+16+32+64``).
 
 The design: the sibling of the dense causal forward in kernels_gluon_sm90.py (same masks, layouts and lse),
@@ -308,8 +309,13 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         do = do_smem.index(stage).reshape([R, D])
         shift = (qt - KB) * R
         # VARIANT (debug, DFLASH_CAUSAL_BWD_VARIANT): bit 1 the diagonal mask after the MMAs, bit 2 no
-        # off-diagonal items, bit 4 no diagonal items.
-        if qt > KB:
+        # off-diagonal items, bit 4 no diagonal items, bit 256 one call site for every item (the masked one;
+        # its mask, from the runtime shift, is all-true off the diagonal).
+        if (VARIANT & 256) != 0:
+            if qt >= KB:
+                dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, True,
+                                           s_layout, o_layout, (VARIANT & 1) != 0)
+        elif qt > KB:
             if (VARIANT & 2) == 0:
                 dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, False,
                                            s_layout, o_layout)
