@@ -46,7 +46,7 @@ CASES = {
 
 VARIANT_CASES = ("T128_g1_rand", "T128_g1_D64", "T256_g4_rand", "T333_g1_rand", "T1024_g1_rand")
 BITS = {1: "post-mask", 2: "no-off", 4: "no-diag", 8: "pid-coords", 16: "rank4-desc", 32: "int64-rows",
-        64: "fence-rows", 128: "swap-blocks", 256: "one-site"}
+        64: "fence-rows", 128: "swap-blocks", 256: "one-site", 512: "diag-last"}
 
 
 def parse_variants(text):

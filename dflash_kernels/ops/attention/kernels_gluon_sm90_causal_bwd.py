@@ -19,8 +19,9 @@ of the ``_wide`` scalar row plus 32-bit lane offsets; 64 a ``fence_async_shared(
 ``thread_barrier`` after its row stores on the non-suspect path (a memory-ordering hypothesis; the DFlash order,
 row stores after the ``empty`` wait, is kept); 128 the two consumer warpgroups swap their 64-key blocks (does
 an error follow the partition or the keys?); 256 every item through the masked item's one call site (its
-mask all-true off the diagonal). Bits combine; tools/studies/debug_causal_bwd.py's ``--variant``
-runs them (e.g. ``--variant 8,16,32,64,8+16+32+64``).
+mask all-true off the diagonal); 512 the query tiles in descending order, so that each block's diagonal
+item comes last (the DFlash kernel's order: whole items first, masked ones last). Bits combine;
+tools/studies/debug_causal_bwd.py's ``--variant`` runs them (e.g. ``--variant 8,16,32,64,8+16+32+64``).
 
 The design: the sibling of the dense causal forward in kernels_gluon_sm90.py (same masks, layouts and lse),
 built like the DFlash backward (kernels_gluon_sm90_dflash_bwd.py: read its docstring for the partitions, the
@@ -170,7 +171,10 @@ def _causal_dkdv_producer(q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, q
     n_landed = 0  # items loaded through `landed` so far: its phase
     for i in range(n_items):
         stage = i % NUM_STAGES
-        qt = i // G
+        if (VARIANT & 512) != 0:  # debug: the query tiles in descending order (diagonal last)
+            qt = n_items // G - 1 - i // G
+        else:
+            qt = i // G
         h = hk * G + i % G
         m = n0 + qt * R
         ok = r < Tq - m
@@ -302,7 +306,10 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
     mbarrier.wait(kv_bar, 0)
     for i in range(n_items):
         stage = i % NUM_STAGES
-        qt = i // G
+        if (VARIANT & 512) != 0:  # debug: the query tiles in descending order (diagonal last)
+            qt = n_items // G - 1 - i // G
+        else:
+            qt = i // G
         # Waited for also when the item is skipped: the arrival below then cannot fall into an earlier phase.
         mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
         q = q_smem.index(stage).reshape([R, D])
