@@ -63,6 +63,15 @@ def gdn_fwd_split():
     raise ValueError(f"DFLASH_KERNELS_GDN_FWD_SPLIT: expected 1, 0 or auto, got {value!r}")
 
 
+def _env_choice(name: str, choices: tuple) -> str:
+    """The environment variable ``name``, lower-cased, one of ``choices`` (unset or empty: the first); another
+    value raises ValueError naming the variable and the value."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
 GDN_BWD_LOCAL_MODES = ("twopass", "onepass", "group")
 
 
@@ -71,11 +80,7 @@ def gdn_bwd_local() -> str:
     pass over V, then one per column block of K; ``onepass``: a single pass over V with K whole; ``group``: the
     one-pass kernel per key head, summing its value heads' dq and dk and applying the l2norm backward itself.
     Another value raises ValueError naming it."""
-    value = os.environ.get("DFLASH_KERNELS_GDN_BWD_LOCAL", "twopass").strip().lower() or "twopass"
-    if value not in GDN_BWD_LOCAL_MODES:
-        raise ValueError(f"DFLASH_KERNELS_GDN_BWD_LOCAL: expected one of {', '.join(GDN_BWD_LOCAL_MODES)}, "
-                         f"got {value!r}")
-    return value
+    return _env_choice("DFLASH_KERNELS_GDN_BWD_LOCAL", GDN_BWD_LOCAL_MODES)
 
 
 GDN_FWD_PREPARE_MODES = ("split", "fused")
@@ -86,11 +91,7 @@ def gdn_fwd_prepare() -> str:
     w and u). ``split`` (default): the solve kernel, then the w/u kernel, which reads A, G, k, v and beta back from
     memory; ``fused``: one kernel doing both per chunk and value head (``kernels_fwd_fused.py``; the same results).
     The backward's recompute of w and u keeps the w/u kernel either way. Another value raises ValueError naming it."""
-    value = os.environ.get("DFLASH_KERNELS_GDN_FWD_PREPARE", "split").strip().lower() or "split"
-    if value not in GDN_FWD_PREPARE_MODES:
-        raise ValueError(f"DFLASH_KERNELS_GDN_FWD_PREPARE: expected one of {', '.join(GDN_FWD_PREPARE_MODES)}, "
-                         f"got {value!r}")
-    return value
+    return _env_choice("DFLASH_KERNELS_GDN_FWD_PREPARE", GDN_FWD_PREPARE_MODES)
 
 
 def interpreting() -> bool:

@@ -23,13 +23,15 @@ GPU the processes run ``bench_gdn``'s tiny fp32 ``issue45`` shapes through the i
 ``TRITON_INTERPRET=1``) and record nothing: a check that the job runs, not a timing.
 """
 
-import argparse
 import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library
+
+from tools.studies import ab_modes  # noqa: E402
+from tools.studies.ab_modes import device_us, with_env  # noqa: E402
 
 MODES = ("twopass", "onepass", "group")
 ENV = "DFLASH_KERNELS_GDN_BWD_LOCAL"
@@ -44,31 +46,6 @@ def _tolerance(dtype):
     the roundings of the products' operands (dw's product, group's scaled tiles)."""
     import torch
     return 1e-4 if dtype == torch.float32 else 2e-2
-
-
-def _device_us(fn, calls=5):
-    """Device microseconds per call of ``fn``, by kernel name (torch.profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / calls for e in prof.key_averages() if e.self_device_time_total > 0}
-
-
-def _grads_with(mode, fn):
-    """``fn()`` with the backward's local kernel ``mode``."""
-    prev = os.environ.get(ENV)
-    os.environ[ENV] = mode
-    try:
-        return fn()
-    finally:
-        if prev is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = prev
 
 
 def worker(mode, only, check, quick):
@@ -97,7 +74,7 @@ def worker(mode, only, check, quick):
 
             grads = fwd_bwd()
             if check:
-                ref = _grads_with("twopass", fwd_bwd)
+                ref = with_env(ENV, "twopass", fwd_bwd)
                 tol = _tolerance(dtype)
                 for name, a, b in zip(GRADS, grads, ref):
                     row[f"rel_err_{name}"] = rel_err(a, b)
@@ -108,7 +85,7 @@ def worker(mode, only, check, quick):
             row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, cuda)
             row["peak_MiB"] = peak_mib(fwd_bwd, cuda)
             if cuda:
-                us = _device_us(fwd_bwd)
+                us = device_us(fwd_bwd)
                 row["local_us"] = sum(t for k, t in us.items() if k.startswith(LOCAL_KERNELS))
                 row["l2norm_bwd_us"] = sum(t for k, t in us.items() if k.startswith(L2NORM_BWD))
                 row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:12]}
@@ -138,43 +115,9 @@ def _table(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated (default: all three)")
-    p.add_argument("--shapes", default="", help="shape labels of the issue45 set, comma-separated (default: all)")
-    p.add_argument("--check", action="store_true", help="compare each mode's gradients with twopass's first")
-    p.add_argument("--quick", action="store_true", help="shorter do_bench runs")
-    p.add_argument("--out", help="also write the rows to FILE as JSON lines")
-    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/ops.jsonl")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds per mode's process (default 1200)")
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    only = [x for x in args.shapes.split(",") if x] or None
-    if args.worker:
-        return worker(args.worker, only, args.check, args.quick)
-    modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"ab_gdn_bwd_local: unknown modes {bad}; choose from {', '.join(MODES)}")
-
-    import torch
-    from bench_common import run_rows
-
-    rows = []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    for mode in modes:
-        cmd = [sys.executable, "-m", "tools.studies.ab_gdn_bwd_local", "--worker", mode]
-        cmd += (["--shapes", ",".join(only)] if only else []) + (["--check"] if args.check else [])
-        cmd += ["--quick"] if args.quick else []
-        rows += run_rows(cmd, "gdn_bwd_local", mode, args.timeout, env={**env, ENV: mode})
-    print(_table(rows))
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    if not args.no_record and torch.cuda.is_available():
-        from ops import record_rows
-        record_rows(rows)
-    return rows
+    return ab_modes.main(argv, module="tools.studies.ab_gdn_bwd_local", op="gdn_bwd_local", modes=MODES, env=ENV,
+                         worker=worker, table=_table, doc=__doc__,
+                         check_help="compare each mode's gradients with twopass's first")
 
 
 if __name__ == "__main__":

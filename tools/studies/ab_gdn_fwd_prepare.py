@@ -29,13 +29,15 @@ GPU the processes run ``bench_gdn``'s tiny fp32 ``issue45`` shapes through the i
 ``TRITON_INTERPRET=1``) and record nothing: a check that the job runs, not a timing.
 """
 
-import argparse
 import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library
+
+from tools.studies import ab_modes  # noqa: E402
+from tools.studies.ab_modes import device_us, with_env  # noqa: E402
 
 MODES = ("split", "fused")
 ENV = "DFLASH_KERNELS_GDN_FWD_PREPARE"
@@ -52,31 +54,6 @@ def _tolerance(name, dtype):
     if name == "t_bad":
         return 0.0
     return 1e-5 if dtype == torch.float32 or name in ("A", "gcum") else 1e-2
-
-
-def _device_us(fn, calls=5):
-    """Device microseconds per call of ``fn``, by kernel name (torch.profiler)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.self_device_time_total / calls for e in prof.key_averages() if e.self_device_time_total > 0}
-
-
-def _with_mode(mode, fn):
-    """``fn()`` with the forward's prep ``mode``."""
-    prev = os.environ.get(ENV)
-    os.environ[ENV] = mode
-    try:
-        return fn()
-    finally:
-        if prev is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = prev
 
 
 def _bitwise(a, b):
@@ -111,7 +88,7 @@ def _check(row, tensors, kwargs, s, device, dtype, do):
         return dict(zip(PREP + ("o", "final_state") + GRADS, (*prep, o, ht, *grads)))
 
     got = results()
-    ref = _with_mode("split", results)
+    ref = with_env(ENV, "split", results)
     over, not_bitwise = [], []
     for name, a in got.items():
         b = ref[name]
@@ -158,7 +135,7 @@ def worker(mode, only, check, quick):
             row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, cuda)
             row["peak_MiB"] = peak_mib(fwd_bwd, cuda)
             if cuda:
-                us = _device_us(fwd)
+                us = device_us(fwd)
                 row["prep_us"] = sum(t for k, t in us.items() if k.startswith(PREP_KERNELS[mode]))
                 row["fwd_device_us"] = sum(us.values())
                 row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:8]}
@@ -193,44 +170,9 @@ def _table(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=",".join(MODES), help="modes to run, comma-separated (default: both)")
-    p.add_argument("--shapes", default="", help="shape labels of the issue45 set, comma-separated (default: all)")
-    p.add_argument("--check", action="store_true", help="compare each mode's prep, outputs and gradients with "
-                                                        "split's first")
-    p.add_argument("--quick", action="store_true", help="shorter do_bench runs")
-    p.add_argument("--out", help="also write the rows to FILE as JSON lines")
-    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/ops.jsonl")
-    p.add_argument("--timeout", type=float, default=1200, help="seconds per mode's process (default 1200)")
-    p.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    only = [x for x in args.shapes.split(",") if x] or None
-    if args.worker:
-        return worker(args.worker, only, args.check, args.quick)
-    modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise SystemExit(f"ab_gdn_fwd_prepare: unknown modes {bad}; choose from {', '.join(MODES)}")
-
-    import torch
-    from bench_common import run_rows
-
-    rows = []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    for mode in modes:
-        cmd = [sys.executable, "-m", "tools.studies.ab_gdn_fwd_prepare", "--worker", mode]
-        cmd += (["--shapes", ",".join(only)] if only else []) + (["--check"] if args.check else [])
-        cmd += ["--quick"] if args.quick else []
-        rows += run_rows(cmd, "gdn_fwd_prepare", mode, args.timeout, env={**env, ENV: mode})
-    print(_table(rows))
-    if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    if not args.no_record and torch.cuda.is_available():
-        from ops import record_rows
-        record_rows(rows)
-    return rows
+    return ab_modes.main(argv, module="tools.studies.ab_gdn_fwd_prepare", op="gdn_fwd_prepare", modes=MODES, env=ENV,
+                         worker=worker, table=_table, doc=__doc__,
+                         check_help="compare each mode's prep, outputs and gradients with split's first")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,86 @@
+"""What the mode A/B studies share (ab_gdn_bwd_local.py, ab_gdn_fwd_prepare.py): a library switch read from an
+environment variable, each mode timed in a process of its own over ``benchmarks/bench_gdn.py``'s shape sets.
+
+- :func:`with_env`: run a function with the variable set to another mode (the worker's ``--check`` against the
+  default mode, in the same process and on the same inputs).
+- :func:`device_us`: device microseconds per call by kernel name (torch.profiler).
+- :func:`main`: the parent's command line: ``--modes``, ``--shapes``, ``--check``, ``--quick``, ``--out``,
+  ``--no-record``, ``--timeout`` and the hidden ``--worker``; one child process per mode, the rows printed as a
+  table, written to ``--out`` and appended to ``benchmarks/results/ops.jsonl`` on a GPU.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+
+
+def with_env(name, value, fn):
+    """``fn()`` with the environment variable ``name`` set to ``value``, restored afterwards."""
+    prev = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return fn()
+    finally:
+        if prev is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = prev
+
+
+def device_us(fn, calls=5):
+    """Device microseconds per call of ``fn``, by kernel name (torch.profiler)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.self_device_time_total / calls for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+def main(argv, *, module, op, modes, env, worker, table, doc, check_help):
+    """The study's command line (module docstring). ``module``: the study's module name (``-m`` of its child
+    processes); ``op``: its rows' op; ``modes``: the switch's values, the default first; ``env``: the switch's
+    variable; ``worker(mode, only, check, quick)``: a child's rows, printed as ``ROW {json}`` lines;
+    ``table(rows)``: the printed table."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=",".join(modes), help="modes to run, comma-separated (default: all)")
+    p.add_argument("--shapes", default="", help="shape labels of the issue45 set, comma-separated (default: all)")
+    p.add_argument("--check", action="store_true", help=check_help)
+    p.add_argument("--quick", action="store_true", help="shorter do_bench runs")
+    p.add_argument("--out", help="also write the rows to FILE as JSON lines")
+    p.add_argument("--no-record", action="store_true", help="do not append to benchmarks/results/ops.jsonl")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per mode's process (default 1200)")
+    p.add_argument("--worker", choices=modes, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    only = [x for x in args.shapes.split(",") if x] or None
+    if args.worker:
+        return worker(args.worker, only, args.check, args.quick)
+    chosen = [m for m in args.modes.split(",") if m]
+    bad = [m for m in chosen if m not in modes]
+    if bad:
+        raise SystemExit(f"{module.rsplit('.', 1)[-1]}: unknown modes {bad}; choose from {', '.join(modes)}")
+
+    import torch
+    from bench_common import run_rows
+
+    rows = []
+    child_env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for mode in chosen:
+        cmd = [sys.executable, "-m", module, "--worker", mode]
+        cmd += (["--shapes", ",".join(only)] if only else []) + (["--check"] if args.check else [])
+        cmd += ["--quick"] if args.quick else []
+        rows += run_rows(cmd, op, mode, args.timeout, env={**child_env, env: mode})
+    print(table(rows))
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    if not args.no_record and torch.cuda.is_available():
+        from ops import record_rows
+        record_rows(rows)
+    return rows
