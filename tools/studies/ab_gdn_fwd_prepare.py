@@ -29,7 +29,6 @@ GPU the processes run ``bench_gdn``'s tiny fp32 ``issue45`` shapes through the i
 ``TRITON_INTERPRET=1``) and record nothing: a check that the job runs, not a timing.
 """
 
-import json
 import os
 import sys
 
@@ -37,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library
 
 from tools.studies import ab_modes  # noqa: E402
-from tools.studies.ab_modes import device_us, with_env  # noqa: E402
+from tools.studies.ab_modes import device_us, gdn_rows, with_env  # noqa: E402
 
 MODES = ("split", "fused")
 ENV = "DFLASH_KERNELS_GDN_FWD_PREPARE"
@@ -106,44 +105,29 @@ def worker(mode, only, check, quick):
     """Rows of one mode (``ENV`` set by the parent), printed as ``ROW {json}`` lines."""
     import torch
     from bench_common import bench_ms, peak_mib
-    from bench_gdn import _cu_seqlens, _inputs, _shape_name, _shape_set
 
     from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    assert os.environ.get(ENV) == mode, (os.environ.get(ENV), mode)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    for label, s in _shape_set("issue45", only, cuda).items():
-        row = {"op": "gdn_fwd_prepare", "impl": mode, "label": label, "shape": _shape_name(s), "dtype": str(dtype)}
-        try:
-            torch.manual_seed(0)
-            tensors = _inputs(s, device, dtype)
-            kwargs = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=_cu_seqlens(s, device))
-            do = torch.randn(s["B"], s["T"], s["Hv"], s["V"], device=device, dtype=dtype)
+    def fill(row, c):
+        def fwd():
+            with torch.no_grad():
+                return chunk_gated_delta_rule(*c.tensors, **c.kwargs)
 
-            def fwd():
-                with torch.no_grad():
-                    return chunk_gated_delta_rule(*tensors, **kwargs)
+        def fwd_bwd():
+            return torch.autograd.grad(chunk_gated_delta_rule(*c.tensors, **c.kwargs)[0], c.tensors, c.do)
 
-            def fwd_bwd():
-                return torch.autograd.grad(chunk_gated_delta_rule(*tensors, **kwargs)[0], tensors, do)
+        if check:
+            _check(row, c.tensors, c.kwargs, c.shape, c.device, c.dtype, c.do)
+        row["fwd_ms"] = bench_ms(fwd, quick, c.cuda)
+        row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, c.cuda)
+        row["peak_MiB"] = peak_mib(fwd_bwd, c.cuda)
+        if c.cuda:
+            us = device_us(fwd)
+            row["prep_us"] = sum(t for k, t in us.items() if k.startswith(PREP_KERNELS[mode]))
+            row["fwd_device_us"] = sum(us.values())
+            row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:8]}
 
-            if check:
-                _check(row, tensors, kwargs, s, device, dtype, do)
-            row["fwd_ms"] = bench_ms(fwd, quick, cuda)
-            row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, cuda)
-            row["peak_MiB"] = peak_mib(fwd_bwd, cuda)
-            if cuda:
-                us = device_us(fwd)
-                row["prep_us"] = sum(t for k, t in us.items() if k.startswith(PREP_KERNELS[mode]))
-                row["fwd_device_us"] = sum(us.values())
-                row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:8]}
-        except Exception as e:  # noqa: BLE001 - one shape's failure (out of memory, say) costs its row only
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print("ROW", json.dumps(row), flush=True)
-        if cuda:
-            torch.cuda.empty_cache()
+    gdn_rows("gdn_fwd_prepare", mode, ENV, only, fill)
 
 
 def _table(rows):

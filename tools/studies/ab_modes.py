@@ -4,6 +4,7 @@ environment variable, each mode timed in a process of its own over ``benchmarks/
 - :func:`with_env`: run a function with the variable set to another mode (the worker's ``--check`` against the
   default mode, in the same process and on the same inputs).
 - :func:`device_us`: device microseconds per call by kernel name (torch.profiler).
+- :func:`gdn_rows`: a worker's loop over the GDN shapes (inputs, one row each, a shape's failure kept in its row).
 - :func:`main`: the parent's command line: ``--modes``, ``--shapes``, ``--check``, ``--quick``, ``--out``,
   ``--no-record``, ``--timeout`` and the hidden ``--worker``; one child process per mode, the rows printed as a
   table, written to ``--out`` and appended to ``benchmarks/results/ops.jsonl`` on a GPU.
@@ -40,6 +41,37 @@ def device_us(fn, calls=5):
             fn()
         torch.cuda.synchronize()
     return {e.key: e.self_device_time_total / calls for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
+def gdn_rows(op, mode, env, only, fill):
+    """A worker's rows over ``bench_gdn``'s ``issue45`` shapes (``only``: their labels), printed as ``ROW {json}``
+    lines: per shape, seeded inputs (q, k, v, g, beta; bf16 on a GPU, fp32 tiny shapes on a CPU), the op's keywords
+    (l2norm in the kernel, the packed shapes' ``cu_seqlens``) and an upstream gradient, then ``fill(row, case)``
+    adds the measurements (``case``: ``shape``, ``tensors``, ``kwargs``, ``do``, ``device``, ``dtype``, ``cuda``).
+    An exception (out of memory, say) costs its shape's row only: ``row["error"]``."""
+    from types import SimpleNamespace
+
+    import torch
+    from bench_gdn import _cu_seqlens, _inputs, _shape_name, _shape_set
+
+    assert os.environ.get(env) == mode, (os.environ.get(env), mode)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    for label, s in _shape_set("issue45", only, cuda).items():
+        row = {"op": op, "impl": mode, "label": label, "shape": _shape_name(s), "dtype": str(dtype)}
+        try:
+            torch.manual_seed(0)
+            tensors = _inputs(s, device, dtype)
+            kwargs = dict(use_qk_l2norm_in_kernel=True, cu_seqlens=_cu_seqlens(s, device))
+            do = torch.randn(s["B"], s["T"], s["Hv"], s["V"], device=device, dtype=dtype)
+            fill(row, SimpleNamespace(shape=s, tensors=tensors, kwargs=kwargs, do=do, device=device, dtype=dtype,
+                                      cuda=cuda))
+        except Exception as e:  # noqa: BLE001 - one shape's failure (out of memory, say) costs its row only
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print("ROW", json.dumps(row), flush=True)
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def main(argv, *, module, op, modes, env, worker, table, doc, check_help):
