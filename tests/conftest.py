@@ -58,3 +58,22 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def force(monkeypatch):
+    """``force(kernel, config)``: ``config`` as the kernel's only candidate (and its interpreter config), tuning
+    off; returns a function listing the configs the kernel actually ran. The kernels' caches are reset before and
+    after."""
+    forced = []
+
+    def apply(kernel, config):
+        monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
+        monkeypatch.setattr(kernel, "configs", [config])
+        monkeypatch.setattr(kernel, "interpret_config", config)
+        kernel.reset()
+        forced.append(kernel)
+        return lambda: [v["config"] for v in kernel.cache_info().values()]
+    yield apply
+    for kernel in forced:
+        kernel.reset()

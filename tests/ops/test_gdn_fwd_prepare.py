@@ -58,24 +58,6 @@ def both(monkeypatch, fn):
     return out["split"], out["fused"]
 
 
-@pytest.fixture
-def force(monkeypatch):
-    """``force(kernel, config)``: ``config`` as the kernel's only candidate (and its interpreter config); returns
-    a function listing the configs the kernel actually ran."""
-    forced = []
-
-    def apply(kernel, config):
-        monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
-        monkeypatch.setattr(kernel, "configs", [config])
-        monkeypatch.setattr(kernel, "interpret_config", config)
-        kernel.reset()
-        forced.append(kernel)
-        return lambda: [v["config"] for v in kernel.cache_info().values()]
-    yield apply
-    for kernel in forced:
-        kernel.reset()
-
-
 # ------------------------------------------------------------------------------------------- the setting
 
 def test_setting(monkeypatch):

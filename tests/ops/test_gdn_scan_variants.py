@@ -38,24 +38,6 @@ CANDIDATES = ([pytest.param(STATES.default, c, id=f"bf16[{i}]-BV{c.meta['BV']}")
               + [pytest.param(STATES.fp32, FP32_KSPLIT, id="fp32")])
 
 
-@pytest.fixture
-def force(monkeypatch):
-    """``force(kernel, config)``: ``config`` as the kernel's only candidate (and its interpreter config);
-    returns a function listing the configs the kernel actually ran."""
-    forced = []
-
-    def apply(kernel, config):
-        monkeypatch.setenv("DFLASH_KERNELS_TUNE", "0")
-        monkeypatch.setattr(kernel, "configs", [config])
-        monkeypatch.setattr(kernel, "interpret_config", config)
-        kernel.reset()
-        forced.append(kernel)
-        return lambda: [v["config"] for v in kernel.cache_info().values()]
-    yield apply
-    for kernel in forced:
-        kernel.reset()
-
-
 def _dtype(kernel):
     return torch.float32 if kernel is STATES.fp32 else torch.bfloat16
 
