@@ -13,7 +13,9 @@ of the dk / dv kernel's VARIANT (kernels_gluon_sm90_causal_bwd.py's docstring): 
 after the MMAs instead of in the accumulators, 2 no off-diagonal items, 4 no diagonal items, 8 the consumers'
 coordinates from the program id instead of the shared ``coords`` buffer, 16 Q / dO through rank-4
 ``[1, 64, 1, D]`` TMA boxes (the DFlash kernel's ``row_descriptor``), 32 the producer's row offsets per lane in
-int64 (the DFlash producer's), 64 a ``fence_async_shared`` with the producer's barrier after its row stores;
+int64 (the DFlash producer's), 64 a ``fence_async_shared`` with the producer's barrier after its row stores,
+128 the two consumer warpgroups' key blocks swapped, 256 every item through the masked item's one call site,
+512 the query tiles in descending order (each block's diagonal item last);
 with bit 2 or 4 the reference is restricted to the same (query tile, key block) pairs, so the error stays small
 if the items that ran are right. A nonzero variant runs the small ``VARIANT_CASES`` with one line per case
 (``--full``: the per-block / per-row patterns too); variant 0 runs every case in full.
