@@ -234,7 +234,7 @@ def test_dflash_nonfinite_confined(D, where, value):
 
 # The dense causal forward multiplies the V tiles on its diagonal with every row of the consumer, a row's P = 0 on
 # the keys right of it: 0 times a NaN / Inf there is NaN in the warpgroup MMA, so a non-finite V element reaches
-# the earlier rows of its 64-row tile, which do not see it (found 2026-12-07, benchmarks/results/README.md). No
+# the earlier rows of its 64-row tile, which do not see it (benchmarks/results/README.md). No
 # copy confines it yet (the DFlash forward's has no causal form): strict xfail until one does.
 CAUSAL_V_LEAKS = pytest.mark.xfail(strict=True, reason="the Gluon causal forward's diagonal tiles do not confine a "
                                    "non-finite V element to the rows that see it")

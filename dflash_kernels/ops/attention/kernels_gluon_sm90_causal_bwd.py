@@ -2,7 +2,7 @@
 (attention.py) runs the portable backward after the Gluon causal forward. Its first design, with a second
 (unmasked) call site of the dk / dv item for the items off the diagonal, gave wrong dk / dv on an H100 and
 faulted at D = 64; with every item through the one masked call site, as now, the diagnostic's cases are right
-(benchmarks/results/README.md, 2026-12-07). Its whole GPU suite has not run on this form yet, so its tests
+(benchmarks/results/README.md). Its whole GPU suite has not run on this form yet, so its tests
 (tests/ops/test_attention_gluon_sm90_causal_bwd.py, and test_every_candidate's cases of its two kernels) stay
 xfail and not run unless ``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``. ``python -m tools.studies.debug_causal_bwd``
 is its diagnostic (per-case subprocesses, per-block / per-row error patterns of dk / dv), and
@@ -320,7 +320,7 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         # Every item the consumer sees (qt >= KB) goes through one call site, the masked one: its mask, from
         # the runtime shift, is all-true off the diagonal. With a second, unmasked call site for the items
         # off the diagonal (VARIANT bit 256, debug) the H100 gave wrong dk / dv for the first 64 keys of
-        # every tile and faulted at D = 64 (benchmarks/results/README.md, 2026-12-07).
+        # every tile and faulted at D = 64 (benchmarks/results/README.md).
         # VARIANT (debug, DFLASH_CAUSAL_BWD_VARIANT): bit 1 the diagonal mask after the MMAs, bit 2 no
         # off-diagonal items, bit 4 no diagonal items.
         if (VARIANT & 256) == 0:
