@@ -4,19 +4,14 @@ convention of ``causal_block_mask`` and of the Gluon forward) and the portable b
 D = 128 / 64, bf16 / fp16, GQA 1 and 4, lengths 128, 333 and 1001, Tq < Tk and Tq > Tk; determinism; non-finite
 K / V confined to the rows that see them, non-finite q / do rows confined to their dq and the keys they see.
 
-The op does not dispatch this backward: on a GPU its dq matches and its dk / dv do not (benchmarks/results),
-and a later test in the same process found the CUDA context faulted. So every test here is reported xfail and
-not run (``XFAIL_UNLESS_ASKED``, also on test_every_candidate's cases of its two kernels) unless
-``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``: then they run normally (one process of their own is safest). That the
-op does not run it: tests/ops/test_attention.py, ``test_op_does_not_run_the_gluon_causal_backward``.
-Diagnostic: ``python -m tools.studies.debug_causal_bwd``.
+The op runs this backward after the Gluon causal forward (attention.py; tests/ops/test_attention.py,
+``test_op_runs_the_gluon_causal_backward``). Diagnostic: ``python -m tools.studies.debug_causal_bwd``.
 
 Needs a CUDA device of compute capability 9.x (no interpreter path): skips elsewhere. Output buffers are
 NaN-filled before the launch (DFLASH_KERNELS_POISON), so an element a kernel does not write fails.
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -25,13 +20,7 @@ from tests.helpers import rel_err, worst_row_err, worst_row_err_rms
 from tests.ops.test_attention_gluon_sm90 import SKIP, _inputs, reference
 
 needs_sm90 = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
-RUN_ENV = "DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD"
-NOT_DISPATCHED = ("the Gluon causal backward is not dispatched: on a GPU its dk / dv are wrong (dq right) and a "
-                  f"test of it left the CUDA context faulted (benchmarks/results); {RUN_ENV}=1 runs these tests")
-# Marks for tests of this backward: xfail, not run, unless RUN_ENV=1 (then none: they run normally).
-XFAIL_UNLESS_ASKED = ([] if os.environ.get(RUN_ENV) == "1"
-                      else [pytest.mark.xfail(run=False, strict=True, reason=NOT_DISPATCHED)])
-pytestmark = [pytest.mark.gpu, *XFAIL_UNLESS_ASKED]
+pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 ROW_TOL = {torch.bfloat16: 1.5e-1, torch.float16: 5e-2}

@@ -14,7 +14,7 @@ after the MMAs instead of in the accumulators, 2 no off-diagonal items, 4 no dia
 coordinates from the program id instead of the shared ``coords`` buffer, 16 Q / dO through rank-4
 ``[1, 64, 1, D]`` TMA boxes (the DFlash kernel's ``row_descriptor``), 32 the producer's row offsets per lane in
 int64 (the DFlash producer's), 64 a ``fence_async_shared`` with the producer's barrier after its row stores,
-128 the two consumer warpgroups' key blocks swapped, 256 every item through the masked item's one call site,
+128 the two consumer warpgroups' key blocks swapped, 256 the first design's second (unmasked) call site,
 512 the query tiles in descending order (each block's diagonal item last);
 with bit 2 or 4 the reference is restricted to the same (query tile, key block) pairs, so the error stays small
 if the items that ran are right. A nonzero variant runs the small ``VARIANT_CASES`` with one line per case
@@ -48,7 +48,7 @@ CASES = {
 
 VARIANT_CASES = ("T128_g1_rand", "T128_g1_D64", "T256_g4_rand", "T333_g1_rand", "T1024_g1_rand")
 BITS = {1: "post-mask", 2: "no-off", 4: "no-diag", 8: "pid-coords", 16: "rank4-desc", 32: "int64-rows",
-        64: "fence-rows", 128: "swap-blocks", 256: "one-site", 512: "diag-last"}
+        64: "fence-rows", 128: "swap-blocks", 256: "two-sites", 512: "diag-last"}
 
 
 def parse_variants(text):

@@ -1,10 +1,7 @@
-"""Warp-specialized Hopper (sm_90) backward in Gluon for dense causal attention, NOT dispatched: the op
-(attention.py) runs the portable backward after the Gluon causal forward. On a GPU its dq matches the
-reference and its dk / dv do not, and a test of it left the CUDA context faulted (benchmarks/results/README.md,
-"first run of the Gluon causal backward"); the cause is not found. Its tests
-(tests/ops/test_attention_gluon_sm90_causal_bwd.py, and test_every_candidate's cases of its two kernels) are
-xfail and not run unless ``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``; ``python -m tools.studies.debug_causal_bwd``
-is its diagnostic (per-case subprocesses, per-block / per-row error patterns of dk / dv), and
+"""Warp-specialized Hopper (sm_90) backward in Gluon for dense causal attention: the op (attention.py) runs it
+after the Gluon causal forward (kernels_gluon_sm90.py). Tests: tests/ops/test_attention_gluon_sm90_causal_bwd.py.
+``python -m tools.studies.debug_causal_bwd`` is its diagnostic (per-case subprocesses, per-block / per-row error
+patterns of dk / dv), and
 ``DFLASH_CAUSAL_BWD_VARIANT`` (an int, read by the launcher; diagnostic only) sets the dk / dv kernel's
 ``VARIANT`` bits: 1 the diagonal mask by selects after the score MMAs instead of in their initial accumulators,
 2 no off-diagonal items, 4 no diagonal items (0, the default: the kernel as designed). Bits 8 to 64 each change
@@ -18,9 +15,10 @@ producer's lse / delta offsets as the DFlash producer's, ``(b.to(int64) * Hq + h
 of the ``_wide`` scalar row plus 32-bit lane offsets; 64 a ``fence_async_shared()`` before the producer's
 ``thread_barrier`` after its row stores on the non-suspect path (a memory-ordering hypothesis; the DFlash order,
 row stores after the ``empty`` wait, is kept); 128 the two consumer warpgroups swap their 64-key blocks (does
-an error follow the partition or the keys?); 256 every item through the masked item's one call site (its
-mask all-true off the diagonal); 512 the query tiles in descending order, so that each block's diagonal
-item comes last (the DFlash kernel's order: whole items first, masked ones last). Bits combine;
+an error follow the partition or the keys?); 256 the first design, a second (unmasked) call site of the item
+for the items off the diagonal: wrong dk / dv on the GPU (below); 512 the query tiles in descending order, so
+that each block's diagonal item comes last (the DFlash kernel's order: whole items first, masked ones last).
+Bits combine;
 tools/studies/debug_causal_bwd.py's ``--variant`` runs them (e.g. ``--variant 8,16,32,64,8+16+32+64``).
 
 The design: the sibling of the dense causal forward in kernels_gluon_sm90.py (same masks, layouts and lse),
@@ -46,7 +44,9 @@ and ``dK *= scale`` at the end. Consumer ``w`` against query tile ``qt``: ``qt >
 lies left of every row's diagonal, no mask; ``qt == w`` the block is the tile's diagonal block, P^T and dS^T
 are made exactly 0 where key > query (the mask goes into the score MMAs' initial accumulators); ``qt < w``
 (consumer 1 against the first tile) no key is seen, the item only takes part in the barrier protocol. So each
-consumer masks one item per head. Rows past ``Tq`` read zeros
+consumer masks one item per head. All items go through one code path, the masked one (the mask, from a
+runtime shift, is all-true off the diagonal): with a second, unmasked call site for the items off the
+diagonal (VARIANT bit 256) the H100 gave wrong dk / dv and faults at D = 64. Rows past ``Tq`` read zeros
 (TMA) and have lse -inf, so P^T = 0 there; keys past ``Tk`` read zeros and are not stored. Programs run key
 tile 0 first, heads fastest: the first key tiles have the most query tiles (the longest programs start first).
 
@@ -94,8 +94,6 @@ Non-finite q or do: A operands (rows on the M side), they reach only their own r
 
 Tiles, stages and shared memory are the DFlash backward's (``dkdv_config``, ``dq_config``): dk / dv 160 KiB
 at D = 128 (K, V 64 KiB; three stages of Q and dO 96 KiB), dq 192 KiB at D = 128.
-Nothing in the op calls this backward (first paragraph); the launcher, ``attention_bwd_gluon_sm90_causal``, is
-called by its tests and the studies only.
 """
 
 import torch
@@ -315,11 +313,19 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         q = q_smem.index(stage).reshape([R, D])
         do = do_smem.index(stage).reshape([R, D])
         shift = (qt - KB) * R
+        # Every item the consumer sees (qt >= KB) goes through one call site, the masked one: its mask, from
+        # the runtime shift, is all-true off the diagonal. With a second, unmasked call site for the items
+        # off the diagonal (VARIANT bit 256, debug) the H100 gave wrong dk / dv for the first 64 keys of
+        # every tile and faulted at D = 64 (benchmarks/results/README.md, 2026-12-07).
         # VARIANT (debug, DFLASH_CAUSAL_BWD_VARIANT): bit 1 the diagonal mask after the MMAs, bit 2 no
-        # off-diagonal items, bit 4 no diagonal items, bit 256 one call site for every item (the masked one;
-        # its mask, from the runtime shift, is all-true off the diagonal).
-        if (VARIANT & 256) != 0:
-            if qt >= KB:
+        # off-diagonal items, bit 4 no diagonal items.
+        if (VARIANT & 256) == 0:
+            run = qt >= KB
+            if (VARIANT & 2) != 0:
+                run = qt == KB
+            if (VARIANT & 4) != 0:
+                run = qt > KB
+            if run:
                 dk, dv = _causal_dkdv_item(dk, dv, kt, vt, q, do, row_smem, stage, qk_scale, shift, True,
                                            s_layout, o_layout, (VARIANT & 1) != 0)
         elif qt > KB:
