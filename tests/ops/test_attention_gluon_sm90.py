@@ -232,6 +232,41 @@ def test_dflash_nonfinite_confined(D, where, value):
     assert err < TOL[torch.bfloat16], f"o of the rows that do not see it: relative error {err:.2e}"
 
 
+# The dense causal forward multiplies the V tiles on its diagonal with every row of the consumer, a row's P = 0 on
+# the keys right of it: 0 times a NaN / Inf there is NaN in the warpgroup MMA, so a non-finite V element reaches
+# the earlier rows of its 64-row tile, which do not see it (found 2026-12-07, benchmarks/results/README.md). No
+# copy confines it yet (the DFlash forward's has no causal form): strict xfail until one does.
+CAUSAL_V_LEAKS = pytest.mark.xfail(strict=True, reason="the Gluon causal forward's diagonal tiles do not confine a "
+                                   "non-finite V element to the rows that see it")
+
+
+@needs_sm90
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("where", ["k", pytest.param("v", marks=CAUSAL_V_LEAKS)])
+@pytest.mark.parametrize("D", [128, 64], ids=lambda d: f"D{d}")
+def test_causal_nonfinite_confined(D, where, value):
+    """Dense causal: a NaN / Inf in K or V at key 150 of kv head 0 (inside a 64-row tile: rows 128 .. 149 share
+    the diagonal tile with it and do not see it) reaches only the rows that see it: o and lse of every earlier
+    row and of the other kv head's query heads equal the clean run's exactly; the rows that see a NaN are
+    non-finite."""
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
+
+    B, T, Hq, Hkv = 1, 333, 8, 2
+    q, k, v = _inputs(B, T, T, Hq, Hkv, D, torch.bfloat16)
+    scale = D ** -0.5
+    clean_o, clean_lse = attention_fwd_gluon_sm90(q, k, v, True, scale)
+    k2, v2 = k.clone(), v.clone()
+    (k2 if where == "k" else v2)[:, 150, 0, 7] = value
+    o, lse = attention_fwd_gluon_sm90(q, k2, v2, True, scale)
+    torch.cuda.synchronize()
+    hit = torch.zeros(B, T, Hq, dtype=torch.bool, device=q.device)
+    hit[:, 150:, :Hq // Hkv] = True
+    assert torch.equal(o[~hit], clean_o[~hit]), "a row that does not see the non-finite key changed"
+    assert torch.equal(lse.transpose(1, 2)[~hit], clean_lse.transpose(1, 2)[~hit])
+    if value != value:  # a NaN reaches every row that sees it
+        assert (~o.isfinite()).any(-1)[hit].all(), "a row that sees a NaN key or value stayed finite"
+
+
 def test_dflash_mask_checks():
     """The DFlash launcher takes DFlash-form masks only: a causal mask (a diagonal), three segment slots,
     element-mask tiles or groups over 64 positions raise ValueError naming ``mask`` before anything runs."""
