@@ -41,23 +41,6 @@ def _run(q, k, v, do, scale):
     return attention_bwd_gluon_sm90_causal(do, q, k, v, o, lse, scale), o, lse
 
 
-def _run_after_portable_forward(q, k, v, do, scale):
-    """The portable forward (backend ``portable``), then this backward on its o and lse: the non-finite K / V
-    test's forward, whose o keeps a non-finite V element to the rows that see it (the Gluon causal forward does
-    not: tests/ops/test_attention_gluon_sm90.py, ``test_causal_nonfinite_v_confined``)."""
-    from dflash_kernels import block_sparse_attention, set_backend
-    from dflash_kernels.ops.attention import causal_block_mask
-    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_sm90_causal
-
-    set_backend("attention", "portable")
-    try:
-        o, lse = block_sparse_attention(q, k, v, causal_block_mask(q.shape[1], k.shape[1], device=q.device),
-                                        scale=scale, return_lse=True)
-    finally:
-        set_backend("attention", "auto")
-    return attention_bwd_gluon_sm90_causal(do, q, k, v, o, lse, scale), o, lse
-
-
 def _reference_grads(q, k, v, do, scale):
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
     o, _ = reference(qf, kf, vf, True, scale)
@@ -132,18 +115,17 @@ def test_causal_bwd_nonfinite_kv_confined(D, where, value):
     """A NaN / Inf in one K or V row (key 150 of kv head 0: inside a 64-row tile, so rows 128 .. 149 share the
     diagonal tiles with it and do not see it) reaches only the rows that see it: dq of every row before it and
     of every other kv head's query heads, dk / dv of every other kv head, and dk / dv of the keys nobody sees,
-    equal the clean run's exactly (and are finite). On the portable forward's o and lse (see
-    ``_run_after_portable_forward``)."""
+    equal the clean run's exactly (and are finite)."""
     B, Tq, Tk, Hq, Hkv = 1, 333, 401, 8, 2
     G = Hq // Hkv
     bad = 150
     q, k, v = _inputs(B, Tq, Tk, Hq, Hkv, D, torch.bfloat16)
     do = torch.randn_like(q)
     scale = D ** -0.5
-    clean, _, _ = _run_after_portable_forward(q, k, v, do, scale)
+    clean, _, _ = _run(q, k, v, do, scale)
     k2, v2 = k.clone(), v.clone()
     (k2 if where == "k" else v2)[:, bad, 0, 7] = value
-    (dq, dk, dv), _, _ = _run_after_portable_forward(q, k2, v2, do, scale)
+    (dq, dk, dv), _, _ = _run(q, k2, v2, do, scale)
     torch.cuda.synchronize()
     keep_q = torch.ones(B, Tq, Hq, dtype=torch.bool, device=q.device)
     keep_q[:, bad:, :G] = False  # rows that see the key, of kv head 0's query heads
