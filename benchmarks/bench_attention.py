@@ -140,6 +140,18 @@ def _bench_ours(s, device, dtype, quick) -> dict:
     return ours
 
 
+def _compiled_flex():
+    """``torch.compile(flex_attention)`` for one shape, with dynamo's caches reset first and static shapes. Each
+    shape compiles a forward and a forward + backward entry for flex_attention's code; compiled anew per shape in
+    one process without a reset, the fifth shape passed dynamo's recompile limit (8) and ran flex_attention
+    eagerly, which builds the dense fp32 scores [B, H, Tq, Tk]: "Tried to allocate 48.00 GiB" at B=4, S=4096
+    (the 2026-12-07 06:52 H100 run, benchmarks/results/README.md)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def _bench_flex(s, device, dtype, quick) -> dict:
     """``torch.compile(flex_attention)``'s row at shape ``s`` (the inputs ours takes): ``create_block_mask``
     once, uncompiled, then forward and forward + backward."""
@@ -150,8 +162,8 @@ def _bench_flex(s, device, dtype, quick) -> dict:
     flex_row = {"op": "attention", "shape": _shape_name(s), "dtype": str(dtype), "visible_pairs": pairs,
                 "impl": "flex (torch.compile)"}
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        flex = torch.compile(flex_attention)
+        from torch.nn.attention.flex_attention import create_block_mask
+        flex = _compiled_flex()
         t0 = time.perf_counter()
         block_mask = create_block_mask(_flex_mask_mod(anchors, S, W), B, None, Tq, Tk, device=device,
                                        BLOCK_SIZE=128)
@@ -337,10 +349,9 @@ def _peer_setup(impl, s, device, dtype):
                                   block_sparse_tensors=fwd_sparse, block_sparse_tensors_bwd=bwd_sparse)
             return out[0] if isinstance(out, tuple) else out
     else:  # flex_flash
-        from torch.nn.attention.flex_attention import flex_attention
         extra["version"] = f"torch=={torch.__version__} " + _dist_versions(("flash-attn-4", "nvidia-cutlass-dsl"))
         extra["patched_cutedsl_ops"] = ",".join(patch_torch_cutedsl_ops()) or "none"
-        flex = torch.compile(flex_attention)
+        flex = _compiled_flex()
         opts = {"BACKEND": "FLASH"}
 
         def attn(q_, k_, v_):
