@@ -316,7 +316,7 @@ def _causal_dkdv_consumer(dk_ptr, dv_ptr, q_smem, do_smem, k_smem, v_smem, row_s
         # Every item the consumer sees (qt >= KB) goes through one call site, the masked one: its mask, from
         # the runtime shift, is all-true off the diagonal. With a second, unmasked call site for the items
         # off the diagonal (VARIANT bit 256, debug) the H100 gave wrong dk / dv for the first 64 keys of
-        # every tile and faulted at D = 64 (benchmarks/results/README.md, 2026-12-07).
+        # every tile and faulted at D = 64 (benchmarks/results/README.md).
         # VARIANT (debug, DFLASH_CAUSAL_BWD_VARIANT): bit 1 the diagonal mask after the MMAs, bit 2 no
         # off-diagonal items, bit 4 no diagonal items.
         if (VARIANT & 256) == 0:
