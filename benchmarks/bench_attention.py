@@ -145,7 +145,7 @@ def _compiled_flex():
     shape compiles a forward and a forward + backward entry for flex_attention's code; compiled anew per shape in
     one process without a reset, the fifth shape passed dynamo's recompile limit (8) and ran flex_attention
     eagerly, which builds the dense fp32 scores [B, H, Tq, Tk]: "Tried to allocate 48.00 GiB" at B=4, S=4096
-    (the 2026-12-07 06:52 H100 run, benchmarks/results/README.md)."""
+    (benchmarks/results/README.md, the same-run comparison with FA4)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     torch._dynamo.reset()
