@@ -46,7 +46,7 @@ are made exactly 0 where key > query (the mask goes into the score MMAs' initial
 (consumer 1 against the first tile) no key is seen, the item only takes part in the barrier protocol. So each
 consumer masks one item per head. All items go through one code path, the masked one (the mask, from a
 runtime shift, is all-true off the diagonal): with a second, unmasked call site for the items off the
-diagonal (VARIANT bit 256) the H100 gave wrong dk / dv and faults at D = 64. Rows past ``Tq`` read zeros
+diagonal (VARIANT bit 256) the H100 gave wrong dk / dv and faulted at D = 64. Rows past ``Tq`` read zeros
 (TMA) and have lse -inf, so P^T = 0 there; keys past ``Tk`` read zeros and are not stored. Programs run key
 tile 0 first, heads fastest: the first key tiles have the most query tiles (the longest programs start first).
 
