@@ -473,12 +473,13 @@ def _hopper():
 @pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("form", ["dflash", "dflash-window-batch1mask", "causal"])
 def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
-    """On an sm_90 GPU backend ``triton`` runs the Gluon forward for DFlash and causal masks, and the Gluon
-    backward after the DFlash one (their kernels are launched: they show in the kernel cache), with outputs,
+    """On an sm_90 GPU backend ``triton`` runs the Gluon forward for DFlash and causal masks, and each one's Gluon
+    backward sibling (their kernels are launched: they show in the kernel cache), with outputs,
     lse and every gradient against the fp32 reference, and o against backend ``portable`` on the same inputs."""
     from dflash_kernels import set_backend
     from dflash_kernels.ops.attention import kernels_gluon_sm90, kernels_gluon_sm90_dflash
     from dflash_kernels.ops.attention.attention import forward_path
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_causal_dkdv_kernel
     from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import attention_bwd_gluon_dkdv_kernel
 
     g = torch.Generator().manual_seed(D)
@@ -500,15 +501,15 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
         Tq, Tk = N * 16, S + N * 16
         kernel = kernels_gluon_sm90_dflash.attention_fwd_gluon_dflash_kernel
     q, k, v, do = make_qkv(B, Tq, Tk, Hq, Hkv, D, dtype, seed=D)
-    kernel.reset()
-    attention_bwd_gluon_dkdv_kernel.reset()
     causal = form == "causal"
+    bwd_kernel = attention_bwd_gluon_causal_dkdv_kernel if causal else attention_bwd_gluon_dkdv_kernel
+    kernel.reset()
+    bwd_kernel.reset()
     o, lse, dq, dk, dv = check_against_reference(q, k, v, do, mask, dtype, dense=dense, rms_rows=causal)
     gluon_fwd = forward_path(q, k, v, mask) != "portable"
     assert gluon_fwd, forward_path(q, k, v, mask)
     assert bool(kernel.cache_info()) == gluon_fwd, "the Gluon forward ran where it should not, or did not run"
-    gluon_bwd = not causal
-    assert bool(attention_bwd_gluon_dkdv_kernel.cache_info()) == gluon_bwd, "the Gluon backward's choice"
+    assert bwd_kernel.cache_info(), "the Gluon backward did not run after the Gluon forward"
     set_backend("attention", "portable")
     try:
         kernel.reset()
@@ -522,11 +523,11 @@ def test_hopper_forward_runs_and_matches_reference(form, D, dtype):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forwards run on sm_90 GPUs")
 @pytest.mark.parametrize("D", [128, 64])
-def test_op_does_not_run_the_gluon_causal_backward(D):
-    """After the Gluon causal forward the op runs the portable backward, never the Gluon causal backward of
-    kernels_gluon_sm90_causal_bwd.py (not dispatched: its dk / dv were wrong on its first GPU run; its tests,
-    tests/ops/test_attention_gluon_sm90_causal_bwd.py, run only with DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1):
-    its kernels' caches stay empty, the portable dk / dv kernel's does not."""
+def test_op_runs_the_gluon_causal_backward(D):
+    """After the Gluon causal forward the op runs its sibling, the Gluon causal backward
+    (kernels_gluon_sm90_causal_bwd.py): its two kernels' caches fill, the portable dk / dv kernel's stays empty;
+    under backend ``portable`` the reverse."""
+    from dflash_kernels import set_backend
     from dflash_kernels.ops.attention.attention import forward_path
     from dflash_kernels.ops.attention.kernels import attention_bwd_dkdv_kernel
     from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_kernel
@@ -537,14 +538,20 @@ def test_op_does_not_run_the_gluon_causal_backward(D):
     q, k, v, do = make_qkv(2, 333, 401, 8, 2, D, torch.bfloat16, seed=D)
     assert forward_path(q, k, v, mask) == "gluon_sm90_causal"
     gluon = (attention_bwd_gluon_causal_dq_kernel, attention_bwd_gluon_causal_dkdv_kernel)
-    for kernel in (attention_fwd_gluon_kernel, attention_bwd_dkdv_kernel, *gluon):
-        kernel.reset()
-    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    torch.autograd.grad(block_sparse_attention(qg, kg, vg, mask), (qg, kg, vg), do)
-    torch.cuda.synchronize()
-    assert attention_fwd_gluon_kernel.cache_info(), "the Gluon causal forward did not run"
-    assert attention_bwd_dkdv_kernel.cache_info(), "the portable backward did not run"
-    assert not any(kernel.cache_info() for kernel in gluon), "the op ran the Gluon causal backward"
+    for backend in ("auto", "portable"):
+        for kernel in (attention_fwd_gluon_kernel, attention_bwd_dkdv_kernel, *gluon):
+            kernel.reset()
+        set_backend("attention", backend)
+        try:
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+            torch.autograd.grad(block_sparse_attention(qg, kg, vg, mask), (qg, kg, vg), do)
+            torch.cuda.synchronize()
+        finally:
+            set_backend("attention", "auto")
+        hopper = backend == "auto"
+        assert bool(attention_fwd_gluon_kernel.cache_info()) == hopper, f"backend {backend}: the Gluon forward"
+        assert all(bool(kernel.cache_info()) == hopper for kernel in gluon), f"backend {backend}: the Gluon backward"
+        assert bool(attention_bwd_dkdv_kernel.cache_info()) != hopper, f"backend {backend}: the portable backward"
 
 
 def test_gluon_backward_takes_every_forward_case_with_aligned_tensors():

@@ -232,21 +232,14 @@ def test_dflash_nonfinite_confined(D, where, value):
     assert err < TOL[torch.bfloat16], f"o of the rows that do not see it: relative error {err:.2e}"
 
 
-# The dense causal forward multiplies the V tiles on its diagonal with every row of the consumer, a row's P = 0 on
-# the keys right of it: 0 times a NaN / Inf there is NaN in the warpgroup MMA, so a non-finite V element reaches
-# the earlier rows of its 64-row tile, which do not see it (benchmarks/results/README.md). No
-# copy confines it yet (the DFlash forward's has no causal form): strict xfail until one does.
-CAUSAL_V_LEAKS = pytest.mark.xfail(strict=True, reason="the Gluon causal forward's diagonal tiles do not confine a "
-                                   "non-finite V element to the rows that see it")
-
-
 @needs_sm90
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-@pytest.mark.parametrize("where", ["k", pytest.param("v", marks=CAUSAL_V_LEAKS)])
+@pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("D", [128, 64], ids=lambda d: f"D{d}")
 def test_causal_nonfinite_confined(D, where, value):
-    """Dense causal: a NaN / Inf in K or V at key 150 of kv head 0 (inside a 64-row tile: rows 128 .. 149 share
-    the diagonal tile with it and do not see it) reaches only the rows that see it: o and lse of every earlier
+    """Dense causal (the module docstring's non-finite paragraph): a NaN / Inf in K or V at key 150 of kv head 0
+    (inside a 64-row tile: rows 128 .. 149 share the diagonal tile with it and do not see it) reaches only the
+    rows that see it: o and lse of every earlier
     row and of the other kv head's query heads equal the clean run's exactly; the rows that see a NaN are
     non-finite."""
     from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90

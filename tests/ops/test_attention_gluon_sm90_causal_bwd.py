@@ -4,19 +4,14 @@ convention of ``causal_block_mask`` and of the Gluon forward) and the portable b
 D = 128 / 64, bf16 / fp16, GQA 1 and 4, lengths 128, 333 and 1001, Tq < Tk and Tq > Tk; determinism; non-finite
 K / V confined to the rows that see them, non-finite q / do rows confined to their dq and the keys they see.
 
-The op does not dispatch this backward yet (its module docstring: its one-call-site form has passed the
-diagnostic's cases and part of this file on an H100, not all of it). So every test here is reported xfail and not
-run (``XFAIL_UNLESS_ASKED``, also on test_every_candidate's cases of its two kernels) unless
-``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``: then they run normally (one process of their own is safest). That the
-op does not run it: tests/ops/test_attention.py, ``test_op_does_not_run_the_gluon_causal_backward``.
-Diagnostic: ``python -m tools.studies.debug_causal_bwd``.
+The op runs this backward after the Gluon causal forward (attention.py; tests/ops/test_attention.py,
+``test_op_runs_the_gluon_causal_backward``). Diagnostic: ``python -m tools.studies.debug_causal_bwd``.
 
 Needs a CUDA device of compute capability 9.x (no interpreter path): skips elsewhere. Output buffers are
 NaN-filled before the launch (DFLASH_KERNELS_POISON), so an element a kernel does not write fails.
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -25,13 +20,7 @@ from tests.helpers import rel_err, worst_row_err, worst_row_err_rms
 from tests.ops.test_attention_gluon_sm90 import SKIP, _inputs, reference
 
 needs_sm90 = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
-RUN_ENV = "DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD"
-NOT_DISPATCHED = ("the Gluon causal backward is not dispatched: its one-call-site form has not run its whole GPU "
-                  f"suite yet (benchmarks/results); {RUN_ENV}=1 runs these tests")
-# Marks for tests of this backward: xfail, not run, unless RUN_ENV=1 (then none: they run normally).
-XFAIL_UNLESS_ASKED = ([] if os.environ.get(RUN_ENV) == "1"
-                      else [pytest.mark.xfail(run=False, strict=True, reason=NOT_DISPATCHED)])
-pytestmark = [pytest.mark.gpu, *XFAIL_UNLESS_ASKED]
+pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 ROW_TOL = {torch.bfloat16: 1.5e-1, torch.float16: 5e-2}
@@ -49,23 +38,6 @@ def _run(q, k, v, do, scale):
     from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_sm90_causal
 
     o, lse = attention_fwd_gluon_sm90(q, k, v, True, scale)
-    return attention_bwd_gluon_sm90_causal(do, q, k, v, o, lse, scale), o, lse
-
-
-def _run_after_portable_forward(q, k, v, do, scale):
-    """The portable forward (backend ``portable``), then this backward on its o and lse: the non-finite K / V
-    test's forward, whose o keeps a non-finite V element to the rows that see it (the Gluon causal forward does
-    not: tests/ops/test_attention_gluon_sm90.py, ``test_causal_nonfinite_confined``)."""
-    from dflash_kernels import block_sparse_attention, set_backend
-    from dflash_kernels.ops.attention import causal_block_mask
-    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_sm90_causal
-
-    set_backend("attention", "portable")
-    try:
-        o, lse = block_sparse_attention(q, k, v, causal_block_mask(q.shape[1], k.shape[1], device=q.device),
-                                        scale=scale, return_lse=True)
-    finally:
-        set_backend("attention", "auto")
     return attention_bwd_gluon_sm90_causal(do, q, k, v, o, lse, scale), o, lse
 
 
@@ -143,18 +115,17 @@ def test_causal_bwd_nonfinite_kv_confined(D, where, value):
     """A NaN / Inf in one K or V row (key 150 of kv head 0: inside a 64-row tile, so rows 128 .. 149 share the
     diagonal tiles with it and do not see it) reaches only the rows that see it: dq of every row before it and
     of every other kv head's query heads, dk / dv of every other kv head, and dk / dv of the keys nobody sees,
-    equal the clean run's exactly (and are finite). On the portable forward's o and lse
-    (``_run_after_portable_forward``)."""
+    equal the clean run's exactly (and are finite)."""
     B, Tq, Tk, Hq, Hkv = 1, 333, 401, 8, 2
     G = Hq // Hkv
     bad = 150
     q, k, v = _inputs(B, Tq, Tk, Hq, Hkv, D, torch.bfloat16)
     do = torch.randn_like(q)
     scale = D ** -0.5
-    clean, _, _ = _run_after_portable_forward(q, k, v, do, scale)
+    clean, _, _ = _run(q, k, v, do, scale)
     k2, v2 = k.clone(), v.clone()
     (k2 if where == "k" else v2)[:, bad, 0, 7] = value
-    (dq, dk, dv), _, _ = _run_after_portable_forward(q, k2, v2, do, scale)
+    (dq, dk, dv), _, _ = _run(q, k2, v2, do, scale)
     torch.cuda.synchronize()
     keep_q = torch.ones(B, Tq, Hq, dtype=torch.bool, device=q.device)
     keep_q[:, bad:, :G] = False  # rows that see the key, of kv head 0's query heads

@@ -32,7 +32,6 @@ from dflash_kernels.ops.gated_delta_rule.kernels_fwd import ByPrecision
 from dflash_kernels.runtime import TritonKernel
 from tests.helpers import (check_close, device, on_reference_device, rel_err, require_triton_kernels, slow_param,
                            worst_row_err)
-from tests.ops.test_attention_gluon_sm90_causal_bwd import XFAIL_UNLESS_ASKED
 
 
 # ------------------------------------------------------------------------------------------ discovery
@@ -142,7 +141,8 @@ def _attention_gluon_dflash(size, dtype):
 
 
 def _attention_gluon_causal(size, dtype):
-    """The Hopper dense forward through the op, for a causal_block_mask (Tq != Tk at the odd size)."""
+    """The Hopper dense forward and its sibling backward through the op, for a causal_block_mask (Tq != Tk at
+    the odd size)."""
     from dflash_kernels.ops.attention import causal_block_mask
     from tests.ops.test_attention import check_against_reference, make_qkv
 
@@ -152,23 +152,6 @@ def _attention_gluon_causal(size, dtype):
     mask = causal_block_mask(Tq, Tk, q_block=64, device="cuda")
     q, k, v, do = make_qkv(B, Tq, Tk, Hq, Hkv, 128, dtype)
     check_against_reference(q, k, v, do, mask, dtype, rms_rows=True)  # the first rows' dq is ~0 (one key)
-
-
-def _attention_gluon_causal_bwd(size, dtype):
-    """The Hopper dense causal backward through its launcher (the op's dispatch does not choose it:
-    docs/ops/attention.md) on the Gluon causal forward's o and lse, dq, dk, dv against the fp32 reference. Its
-    cases are xfail and not run unless DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1 (``NOT_DISPATCHED``)."""
-    from tests.ops.test_attention_gluon_sm90 import _inputs
-    from tests.ops.test_attention_gluon_sm90_causal_bwd import _check, _reference_grads, _run
-
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the Gluon causal backward needs an sm_90 GPU")
-    B, Tq, Tk, Hq, Hkv = (2, 2048, 2048, 8, 2) if size == "real" else (1, 1001, 1117, 6, 3)
-    q, k, v = _inputs(B, Tq, Tk, Hq, Hkv, 128, dtype)
-    do = torch.randn_like(q)
-    got, _, _ = _run(q, k, v, do, 128 ** -0.5)
-    for name, x, ref in zip(("dq", "dk", "dv"), got, _reference_grads(q, k, v, do, 128 ** -0.5)):
-        _check(name, x, ref, dtype)
 
 
 def _attention_fwd_sm90(size, dtype):
@@ -403,8 +386,9 @@ DRIVERS = {
     "block_sparse_attn_fwd_sm90": _attention_fwd_sm90,
     **{f"block_sparse_attn_{n}_gluon_sm90{s}": _attention_gluon_dflash
        for n, s in (("fwd", "_dflash"), ("bwd", "_dq"), ("bwd", "_dkdv"))},
-    "block_sparse_attn_fwd_gluon_sm90": _attention_gluon_causal,
-    **{f"block_sparse_attn_bwd_gluon_sm90_causal_{s}": _attention_gluon_causal_bwd for s in ("dq", "dkdv")},
+    **{n: _attention_gluon_causal for n in ("block_sparse_attn_fwd_gluon_sm90",
+                                             "block_sparse_attn_bwd_gluon_sm90_causal_dq",
+                                             "block_sparse_attn_bwd_gluon_sm90_causal_dkdv")},
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
        + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},
@@ -418,12 +402,8 @@ DRIVERS = {
     "rope": _rope, "swiglu_fwd": _swiglu, "swiglu_bwd": _swiglu,
 }
 
-# Kernels no op dispatches: their cases are xfail and not run unless asked for, like their own tests (the Gluon
-# causal backward: tests/ops/test_attention_gluon_sm90_causal_bwd.py, DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1).
-NOT_DISPATCHED = {n: XFAIL_UNLESS_ASKED for n in ("block_sparse_attn_bwd_gluon_sm90_causal_dq",
-                                                   "block_sparse_attn_bwd_gluon_sm90_causal_dkdv")}
 SIZES = ("real", "odd")
-CASES = [pytest.param(name, i, size, id=f"{name}[{i}]-{size}", marks=NOT_DISPATCHED.get(name, []))
+CASES = [pytest.param(name, i, size, id=f"{name}[{i}]-{size}")
          for name, k in sorted(KERNELS.items()) for i in range(len(k.configs)) for size in SIZES]
 
 

@@ -147,12 +147,14 @@ def test_attention_nonfinite_with_a_window_and_a_batch(attention_backend):
     _check_confined(mask, q, k, v, do, bad_keys=(12, 33))
 
 
-def test_causal_nonfinite_key_reaches_only_later_queries(attention_backend):
-    """Causal mask: the diagonal tiles hold rows that see a key and rows that do not."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_causal_nonfinite_key_reaches_only_later_queries(attention_backend, dtype):
+    """Causal mask: the diagonal tiles hold rows that see a key and rows that do not. In bf16 on an sm_90 GPU
+    the op runs the Gluon causal forward and backward (kernels_gluon_sm90*.py), in fp32 the portable kernels."""
     T = 40
     mask = causal_block_mask(T, q_block=16, kv_tile=16, device=DEVICE)
     g = torch.Generator().manual_seed(2)
-    q, k, v, do = (torch.randn(1, T, 2, 64, generator=g).to(DEVICE) for _ in range(4))
+    q, k, v, do = (torch.randn(1, T, 2, 64, generator=g).to(DEVICE, dtype) for _ in range(4))
     k, v = k[:, :, :1].contiguous(), v[:, :, :1].contiguous()
     _check_confined(mask, q, k, v, do, bad_keys=(20,))
 

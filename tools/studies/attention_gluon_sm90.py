@@ -29,9 +29,9 @@ pairs (``10 * D * Hq * pairs``) and the speedup.
 
 Causal backward (``--only causal_bwd``, never in the default run; bf16, D = 128, B=2 H=32 L=8192 and B=4 L=4096
 Hq 32 / Hkv 8): forward + backward (``torch.autograd.grad`` over q, k, v) of ``block_sparse_attention`` with
-``causal_block_mask`` through the op's default dispatch (the Gluon causal forward and the portable backward) and
-the Gluon causal backward (kernels_gluon_sm90_causal_bwd.py, not dispatched: its dk / dv were wrong on its first
-GPU run) through its launcher on the Gluon forward's o and lse, each against
+``causal_block_mask`` through the op's default dispatch (the Gluon causal forward and its Gluon backward sibling)
+and the Gluon causal backward (kernels_gluon_sm90_causal_bwd.py) alone through its launcher on the Gluon forward's
+o and lse, each against
 ``scaled_dot_product_attention(is_causal=True)`` in the same process; per shape the relative errors of dq, dk, dv
 of the op (``rel_err_*_op_vs_sdpa``) and of the Gluon backward (``rel_err_*_gluon_vs_sdpa``) against SDPA's,
 ``do_bench`` medians of fwd + bwd for the op and SDPA (``op_fwd_bwd_ms``, ``sdpa_fwd_bwd_ms``), of the backward
@@ -208,7 +208,7 @@ def run_causal_bwd(shape, quick=False):
 
     got, ref = op_fwd_bwd(), sdpa_fwd_bwd()  # compiled before the clock
     row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mask": "causal", "pass": "fwd+bwd",
-           "op_path": forward_path(q, k, v, mask) + " + portable bwd", **shape}
+           "op_path": forward_path(q, k, v, mask), **shape}
     errors(got, "op")
     reps = dict(warmup=10, rep=50) if quick else {}
     row["op_fwd_bwd_ms"] = do_bench(op_fwd_bwd, **reps)
@@ -243,7 +243,7 @@ def main():
     runs = [(run, x) for x in SHAPES] if args.only in (None, "dense") else []
     runs += [(run_dflash, x) for x in DFLASH_SHAPES] if args.only in (None, "dflash") else []
     runs += [(run_dflash_bwd, x) for x in DFLASH_SHAPES] if args.only in (None, "dflash_bwd") else []
-    # not in the default run: the Gluon causal backward is not dispatched (module docstring)
+    # not in the default run (module docstring)
     runs += [(run_causal_bwd, x) for x in CAUSAL_BWD_SHAPES] if args.only == "causal_bwd" else []
     for fn, shape in runs:
         row = fn(shape, args.quick)

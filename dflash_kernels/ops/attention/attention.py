@@ -9,6 +9,7 @@ from dflash_kernels.ops.attention.kernels import (attention_bwd_dkdv_kernel, att
                                                   attention_bwd_preprocess_kernel, attention_fwd_kernel)
 from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
 from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import dflash_fwd, gluon_dflash_rows
+from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_sm90_causal
 from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash_bwd import attention_bwd_gluon_sm90_dflash
 from dflash_kernels.ops.attention.mask import BlockSparseMask, dflash_block_mask
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
@@ -62,10 +63,10 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
     The Hopper forwards need capability 9.x. The DFlash one takes ``dflash_block_mask`` masks whose query groups
     fill a 64-row warpgroup (``q_block`` x the query heads packed per kv head = 64: 16-token blocks at GQA 4 or
     8; with fewer rows the warpgroup MMA runs partly empty, untimed against the portable forward), bf16 / fp16,
-    D 64 or 128; the dense one ``causal_block_mask`` masks, bf16 / fp16, D 64 or 128. Everything else runs the portable forward, which takes every mask,
-    dtype and head dim. The backward after the Gluon DFlash forward is its Gluon sibling
-    (kernels_gluon_sm90_dflash_bwd.py, :func:`_gluon_backward`); the portable backward, which reads any
-    forward's o and lse, follows the others."""
+    D 64 or 128; the dense one ``causal_block_mask`` masks, bf16 / fp16, D 64 or 128. Everything else runs the
+    portable forward, which takes every mask, dtype and head dim. The backward after each Gluon forward is its
+    Gluon sibling (kernels_gluon_sm90_dflash_bwd.py, kernels_gluon_sm90_causal_bwd.py; :func:`_gluon_backward`);
+    the portable backward, which reads any forward's o and lse, follows the portable forward."""
     if major != 9 or dtype not in (torch.bfloat16, torch.float16) or D not in (64, 128):
         return PORTABLE
     if mask.form == "dflash" and mask.tiles.shape[0] == 0 and mask.segments.shape[2] <= 2 and mask.q_block <= 64:
@@ -77,8 +78,8 @@ def choose_forward(major, dtype, D: int, G: int, mask) -> str:
 
 
 def _gluon_backward(q, k, v, o, do) -> bool:
-    """Whether the backward after the Gluon DFlash forward is the Gluon one: every dtype, head dim and mask
-    batch that forward takes (:func:`choose_forward`), with every tensor at a 16-byte aligned base address
+    """Whether the backward after a Gluon forward is its Gluon sibling: every dtype, head dim and mask
+    that forward takes (:func:`choose_forward`), with every tensor at a 16-byte aligned base address
     (TMA); an unaligned upstream gradient takes the portable backward."""
     return all(x.data_ptr() % 16 == 0 for x in (q, k, v, o, do))
 
@@ -189,6 +190,8 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                kv_len=k.shape[1], q_block=q_block, kv_tile=kv_tile, tile_width=tile_width,
                                form="dflash")
         return attention_bwd_gluon_sm90_dflash(do, q, k, v, o, lse, mask, scale, check_mask=False)
+    if path == GLUON_CAUSAL and _gluon_backward(q, k, v, o, do):  # after the Gluon causal forward: its sibling
+        return attention_bwd_gluon_sm90_causal(do, q, k, v, o, lse, scale)
     return attention_bwd(do, q, k, v, o, lse, segments, seg_count, tiles, rev_offsets,
                          rev_full, rev_entries, q_block, kv_tile, tile_width, scale)
 

@@ -38,6 +38,14 @@ and, causal, right of a row's diagonal are set to -inf; only tiles that contain 
 The epilogue writes o through the consumer's Q buffer (Q is no longer read) and a TMA store, which clips rows
 past ``Lq``; lse goes through plain masked stores.
 
+Non-finite keys and values stay with the rows that see them, as in the portable forward. A non-finite K element
+makes only its key's scores non-finite, and the mask's selects replace those of rows that do not see it. V needs
+more under the causal mask: a diagonal tile's ``P V`` multiplies every row with every key of the tile, a row's P
+being 0 on keys right of its diagonal, and ``0 * NaN`` is NaN. So each consumer copies its diagonal tiles' V into
+a slot of its own with the non-finite elements set to 0 (``_finite_values``: two more V slots, 229,736 bytes of
+shared memory at D = 128), and sets o to NaN on the rows at or after the first key it found there. Every row sees
+the other tiles' keys whole, so a non-finite value there reaches every row through the product itself.
+
 Descriptors are rank 3 over views ``[B, L, heads * D]`` with ``[1, rows, D]`` boxes, so a box never crosses
 into the next batch: rows past ``Lq`` and keys past ``Lk`` read as zeros, and o's rows past ``Lq`` are not
 written. TMA needs the base addresses and every stride but the last to be multiples of 16 bytes, and the
@@ -169,6 +177,38 @@ def _confine_values(v_smem, v_ready, j, stage, phase, start0, n0, start1, lo0, h
 
 
 @gluon.jit
+def _finite_values(v_smem, v_ready, j, stage, phase, start0, n0, start1, lo0, hi0, lo1, hi1, row0, first_bad,
+                   OWN: gl.constexpr, BN: gl.constexpr, D: gl.constexpr):
+    """Causal: the ``v_smem`` slot ``O += P V`` of tile ``j`` (in ring slot ``stage``) reads, and ``first_bad``
+    lowered to the tile's first key with a non-finite V element. A tile with keys right of the consumer's first
+    row (a diagonal tile) is multiplied with rows that do not see all of its keys (their P is 0 there, and 0
+    times a NaN / Inf is NaN inside the MMA), so it is copied into ``OWN`` with its non-finite elements set to 0.
+    The rows at or after such a key see it: ``_attend`` sets their o to NaN from ``first_bad``. Tiles every row
+    sees whole read the ring: a non-finite value there reaches every row through the product itself. Called
+    when no MMA of the warpgroup reads ``OWN``."""
+    n, lo, hi = _tile_keys(j, start0, n0, start1, lo0, hi0, lo1, hi1, BN)
+    diagonal = n + BN - 1 > row0
+    if diagonal:
+        mbarrier.wait(v_ready.index(stage), phase)
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
+        CH: gl.constexpr = 32  # keys at a time, as _visible_values
+        src = v_smem.index(stage).reshape([BN, D])
+        dst = v_smem.index(OWN).reshape([BN, D])
+        r = gl.arange(0, CH, gl.SliceLayout(1, layout))
+        for c in gl.static_range(BN // CH):
+            x = src.slice(c * CH, CH).load(layout)
+            fine = (x == x) & (gl.abs(x) < float("inf"))  # NaN compares False
+            dst.slice(c * CH, CH).store(gl.where(fine, x, gl.zeros_like(x)))
+            bad_key = gl.min(fine.to(gl.int32), axis=1) == 0  # [CH]: the key's row holds a non-finite element
+            first = gl.min(gl.where(bad_key, r, CH), axis=0)
+            first_bad = gl.where(first < CH, gl.minimum(first_bad, n + c * CH + first), first_bad)
+        # The MMA reads the copy through the async proxy, after every thread of the warpgroup has written its part.
+        fence_async_shared()
+        gl.thread_barrier()
+    return gl.where(diagonal, OWN, stage), first_bad
+
+
+@gluon.jit
 def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles, start0, n0, start1,
             lo0, hi0, lo1, hi1, row0, rows, qk_scale, WG: gl.constexpr, BN: gl.constexpr,
             NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
@@ -183,12 +223,17 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles
     (``_visible_values``), so that their ``P = 0`` never meets a non-finite value; tiles seen whole read the
     ring. The copy is made in the step that issues that ``P V``, before the warpgroup waits for its turn (so
     outside the ping-pong turn), when the previous ``P V``, the slot's last reader, has completed (each step
-    waits for its ``P V``). ``CONFINE_V = False`` compiles the loop as without it."""
+    waits for its ``P V``). ``CONFINE_V = False`` compiles the loop as without it.
+
+    ``CAUSAL``: the same two slots hold the consumer's finite copies of its diagonal tiles' V (``_finite_values``:
+    a non-finite element of a key right of a row's diagonal would reach that row through ``0 * NaN``), and the
+    rows that see a key with a non-finite V element there get o NaN."""
     ROWS: gl.constexpr = q.shape[0]
     D: gl.constexpr = q.shape[1]
     dtype: gl.constexpr = q.dtype
     gl.static_assert(not (CONFINE_V and CAUSAL), "CONFINE_V: visibility per key, not per row")
-    OWN: gl.constexpr = NUM_STAGES + WG  # CONFINE_V: the warpgroup's V slot
+    OWN: gl.constexpr = NUM_STAGES + WG  # CONFINE_V, CAUSAL: the warpgroup's V slot
+    first_bad = row0 + ROWS  # CAUSAL: the first key with a non-finite V element on a diagonal tile (none yet)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -222,10 +267,13 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles
             if CONFINE_V:
                 v_slot = _confine_values(v_smem, v_ready, j - 1, prev, prev_phase, start0, n0, start1, lo0, hi0,
                                          lo1, hi1, OWN, BN, D)
+            if CAUSAL:
+                v_slot, first_bad = _finite_values(v_smem, v_ready, j - 1, prev, prev_phase, start0, n0, start1,
+                                                   lo0, hi0, lo1, hi1, row0, first_bad, OWN, BN, D)
             mbarrier.wait(my_turn, turn_phase)
             s = _issue_scores(q, k_smem, k_ready, stage, phase, ROWS, D, BN, s_layout)
             mbarrier.wait(v_ready.index(prev), prev_phase)
-            if CONFINE_V:
+            if CONFINE_V or CAUSAL:
                 o = warpgroup_mma(p, v_smem.index(v_slot).reshape([BN, D]), o, is_async=True)
             else:
                 o = warpgroup_mma(p, v_smem.index(prev).reshape([BN, D]), o, is_async=True)
@@ -248,15 +296,21 @@ def _attend(q, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, turn, n_tiles
         if CONFINE_V:
             v_slot = _confine_values(v_smem, v_ready, n_tiles - 1, last, last_phase, start0, n0, start1, lo0, hi0,
                                      lo1, hi1, OWN, BN, D)
+        if CAUSAL:
+            v_slot, first_bad = _finite_values(v_smem, v_ready, n_tiles - 1, last, last_phase, start0, n0, start1,
+                                               lo0, hi0, lo1, hi1, row0, first_bad, OWN, BN, D)
         mbarrier.wait(my_turn, turn_phase)
         mbarrier.wait(v_ready.index(last), last_phase)
-        if CONFINE_V:
+        if CONFINE_V or CAUSAL:
             o = warpgroup_mma(p, v_smem.index(v_slot).reshape([BN, D]), o, is_async=True)
         else:
             o = warpgroup_mma(p, v_smem.index(last).reshape([BN, D]), o, is_async=True)
         mbarrier.arrive(next_turn)
         o, p = warpgroup_mma_wait(0, deps=(o, p))
         mbarrier.arrive(v_empty.index(last))
+    if CAUSAL:
+        rows_o = row0 + gl.arange(0, ROWS, row_o)
+        o = gl.where(gl.expand_dims(rows_o >= first_bad, 1), float("nan"), o)
     return o, m_i, l_i
 
 
@@ -381,7 +435,9 @@ def _attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Lq, Lk,
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    # Causal: the ring's stages, then one slot per consumer for its diagonal tiles' finite copies (_attend).
+    V_SLOTS: gl.constexpr = NUM_STAGES + 2 if CAUSAL else NUM_STAGES
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_SLOTS] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
@@ -401,8 +457,9 @@ def _attention_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, B, Lq, Lk,
 
 def tile_config(D: int) -> dict:
     """Key tile and pipeline depth per head dim. BN = 128 keys at both: at D = 128 two stages of K and V
-    (128 KiB) and the two Q / o buffers (32 KiB) take 160 KiB of sm_90's 227 KiB per block; at D = 64 the
-    stages are half as large and a third one fits."""
+    (128 KiB) and the two Q / o buffers (32 KiB) take 160 KiB of sm_90's 227 KiB per block (224 KiB with the
+    causal kernel's and the DFlash kernel's two extra V slots); at D = 64 the stages are half as large and a
+    third one fits."""
     return {"BN": 128, "NUM_STAGES": 2 if D == 128 else 3}
 
 

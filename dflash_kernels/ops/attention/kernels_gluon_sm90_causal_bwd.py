@@ -1,11 +1,7 @@
-"""Warp-specialized Hopper (sm_90) backward in Gluon for dense causal attention, NOT dispatched: the op
-(attention.py) runs the portable backward after the Gluon causal forward. Its first design, with a second
-(unmasked) call site of the dk / dv item for the items off the diagonal, gave wrong dk / dv on an H100 and
-faulted at D = 64; with every item through the one masked call site, as now, the diagnostic's cases are right
-(benchmarks/results/README.md). Its whole GPU suite has not run on this form yet, so its tests
-(tests/ops/test_attention_gluon_sm90_causal_bwd.py, and test_every_candidate's cases of its two kernels) stay
-xfail and not run unless ``DFLASH_KERNELS_TEST_GLUON_CAUSAL_BWD=1``. ``python -m tools.studies.debug_causal_bwd``
-is its diagnostic (per-case subprocesses, per-block / per-row error patterns of dk / dv), and
+"""Warp-specialized Hopper (sm_90) backward in Gluon for dense causal attention: the op (attention.py) runs it
+after the Gluon causal forward (kernels_gluon_sm90.py). Tests: tests/ops/test_attention_gluon_sm90_causal_bwd.py.
+``python -m tools.studies.debug_causal_bwd`` is its diagnostic (per-case subprocesses, per-block / per-row error
+patterns of dk / dv), and
 ``DFLASH_CAUSAL_BWD_VARIANT`` (an int, read by the launcher; diagnostic only) sets the dk / dv kernel's
 ``VARIANT`` bits: 1 the diagonal mask by selects after the score MMAs instead of in their initial accumulators,
 2 no off-diagonal items, 4 no diagonal items (0, the default: the kernel as designed). Bits 8 to 64 each change
