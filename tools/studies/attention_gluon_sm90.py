@@ -2,7 +2,8 @@
 the DFlash mask; both chosen by the op's dispatch on sm_90) on a GPU of compute capability 9.0: each one's output
 against a peer's, then its time against the peers.
 
-    python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick] [--only dense|dflash|dflash_bwd|causal_bwd]
+    python3 -m tools.studies.attention_gluon_sm90 [--out FILE] [--quick]
+        [--only dense|dflash|dflash_bwd|causal_bwd|causal_profile]
 
 Shapes (bf16, D = 128): dense causal B=2, H=32, L=8192 (the attention issue's SDPA comparison), the same
 without the mask, and causal B=4, L=4096 with GQA (32 query heads over 8 kv heads). Per shape one JSON row:
@@ -40,6 +41,10 @@ retained graph: ``sdpa_bwd_ms``), TFLOP/s over visible pairs (``4 * D * H * pair
 pairs`` backward) and the ratios to SDPA. The Gluon backward runs last (after the op's and SDPA's timings, errors
 included): a fault it causes cannot spoil the others' numbers.
 
+Causal profile (``--only causal_profile``, never in the default run; B=2 H=32 L=8192): each kernel's device time of
+the op's forward + backward and of SDPA's cuDNN backend under ``torch.profiler``, ``do_bench`` medians of three
+interleaved rounds (the launcher, the op and SDPA, forward and forward + backward) and the op's Python time per call.
+
 A forward that hangs (the prototype's barriers never ran on a GPU before) is cut by the
 caller's timeout: run it under ``timeout``.
 """
@@ -49,6 +54,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -174,8 +180,8 @@ def run_dflash_bwd(shape, quick=False):
 
 
 def run_causal_bwd(shape, quick=False):
-    """Dense causal forward + backward through the op (Gluon forward, portable backward) and the undispatched Gluon
-    causal backward through its launcher, each against SDPA (module docstring, ``--only causal_bwd``)."""
+    """Dense causal forward + backward through the op (on sm_90 the Gluon forward and the Gluon backward) and the
+    Gluon causal backward alone through its launcher, each against SDPA (module docstring, ``--only causal_bwd``)."""
     from dflash_kernels import block_sparse_attention, causal_block_mask
     from dflash_kernels.ops.attention.attention import forward_path
     from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
@@ -231,11 +237,85 @@ def run_causal_bwd(shape, quick=False):
     return row
 
 
+def run_causal_profile(shape, quick=False):
+    """Where the dense causal forward + backward's time goes (``--only causal_profile``): each kernel's device time
+    under ``torch.profiler`` (mean of 3 calls, right after warm-up) for the op and for SDPA's cuDNN backend, then
+    ``do_bench`` medians of 3 interleaved rounds of the launcher, the op and SDPA (its default and cuDNN), forward
+    and forward + backward, and the op's Python time per forward call (20 calls queued, no synchronisation)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_kernels import block_sparse_attention, causal_block_mask
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
+
+    B, H, Hkv, L, D = (shape[k] for k in ("B", "H", "Hkv", "L", "D"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(B, L, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for n in (H, Hkv, Hkv, H))
+    scale = D ** -0.5
+    mask = causal_block_mask(L, device="cuda")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous() for x in (q, k, v))
+    qtg, ktg, vtg = (x.detach().requires_grad_() for x in (qt, kt, vt))
+    do_t = do.transpose(1, 2).contiguous()
+
+    def cudnn(fn):
+        def run():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return fn()
+        return run
+
+    def op_fwd():
+        with torch.no_grad():
+            return block_sparse_attention(q, k, v, mask, scale=scale)
+
+    def sdpa_fwd():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=Hkv != H)
+
+    fns = {"launcher_fwd": lambda: attention_fwd_gluon_sm90(q, k, v, True, scale), "op_fwd": op_fwd,
+           "sdpa_fwd": sdpa_fwd, "sdpa_cudnn_fwd": cudnn(sdpa_fwd),
+           "op_fwd_bwd": lambda: torch.autograd.grad(block_sparse_attention(qg, kg, vg, mask, scale=scale),
+                                                     (qg, kg, vg), do),
+           "sdpa_fwd_bwd": lambda: torch.autograd.grad(F.scaled_dot_product_attention(
+               qtg, ktg, vtg, is_causal=True, scale=scale, enable_gqa=Hkv != H), (qtg, ktg, vtg), do_t)}
+    fns["sdpa_cudnn_fwd_bwd"] = cudnn(fns["sdpa_fwd_bwd"])
+    for fn in fns.values():  # compiled before the clock
+        fn()
+    torch.cuda.synchronize()
+    row = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "mask": "causal", "pass": "profile",
+           **shape, "kernels_ms": {}}
+    for name in ("op_fwd_bwd", "sdpa_cudnn_fwd_bwd"):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fns[name]()
+            torch.cuda.synchronize()
+        row["kernels_ms"][name] = {e.key[:80]: e.device_time_total / 3e3 for e in prof.key_averages()
+                                   if e.device_time_total > 0}
+    for name in ("op_fwd", "launcher_fwd"):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fns[name]()
+        row[f"{name}_python_us"] = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+    reps = dict(warmup=10, rep=50) if quick else dict(warmup=25, rep=100)
+    rounds = {}
+    for _ in range(3):
+        for name, fn in fns.items():
+            rounds.setdefault(name, []).append(do_bench(fn, **reps))
+    row.update({f"{name}_ms": sorted(x)[1] for name, x in rounds.items()})
+    row["op_fwd_bwd_vs_sdpa_cudnn"] = row["op_fwd_bwd_ms"] / row["sdpa_cudnn_fwd_bwd_ms"]
+    row["op_kernels_vs_sdpa_cudnn_kernels"] = (sum(row["kernels_ms"]["op_fwd_bwd"].values())
+                                               / sum(row["kernels_ms"]["sdpa_cudnn_fwd_bwd"].values()))
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", metavar="FILE", help="append the rows to FILE as JSON lines")
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
-    parser.add_argument("--only", choices=("dense", "dflash", "dflash_bwd", "causal_bwd"),
+    parser.add_argument("--only", choices=("dense", "dflash", "dflash_bwd", "causal_bwd", "causal_profile"),
                         help="run one kernel's shapes only")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
@@ -245,6 +325,7 @@ def main():
     runs += [(run_dflash_bwd, x) for x in DFLASH_SHAPES] if args.only in (None, "dflash_bwd") else []
     # not in the default run (module docstring)
     runs += [(run_causal_bwd, x) for x in CAUSAL_BWD_SHAPES] if args.only == "causal_bwd" else []
+    runs += [(run_causal_profile, CAUSAL_BWD_SHAPES[0])] if args.only == "causal_profile" else []
     for fn, shape in runs:
         row = fn(shape, args.quick)
         print(json.dumps(row), flush=True)

@@ -1,5 +1,6 @@
-"""GPU diagnostic of the dense causal Gluon backward's dk / dv kernel (kernels_gluon_sm90_causal_bwd.py: not
-dispatched, its dk / dv were wrong on its first GPU run; its module docstring).
+"""GPU diagnostic of the dense causal Gluon backward's dk / dv kernel (kernels_gluon_sm90_causal_bwd.py: its dk / dv
+were wrong on its first GPU runs, until the kernel took every item through one masked call site; its module
+docstring).
 
     python -m tools.studies.debug_causal_bwd [--variant 0,1,2,4,8,16,32,64,8+16+32+64] [--only NAME,...] [--full]
 
