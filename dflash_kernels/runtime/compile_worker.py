@@ -14,7 +14,9 @@ straight from the signature (Triton's ``warmup`` on stand-in tensors), no op run
 import fcntl
 import importlib
 import json
+import os
 import sys
+import time
 
 import torch
 
@@ -35,14 +37,19 @@ def main(path: str, index: int) -> None:
     # Every worker runs every spec (each compiles its share of the configs), each from its own starting point,
     # so that the workers' inputs of the largest shapes are not on the GPU all at once; a spec that ran out of
     # memory is tried again at the end, one worker at a time (a lock beside the job file): retried together,
-    # the largest shapes of 16 workers ran out again.
+    # the largest shapes of 16 workers ran out again. The retries also wait for every worker's first pass
+    # (a mark per worker beside the job file): while another worker still runs its largest shapes, a retry
+    # ran out again (the H100's `--preset ops`).
     start = index % len(specs) if specs else 0
-    for device in job["devices"]:
+    for n, device in enumerate(job["devices"]):
         dev = torch.device(device)
         retry = []
         for op, shape, dtype in specs[start:] + specs[:start]:
             _build(op, shape, dtype, dev, job["backward"], errors, retry)
+        _release(dev)
+        first_pass_done(path, n, index)
         if retry:
+            wait_for_first_passes(path, n, job["shards"])
             with open(path + ".retry.lock", "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
@@ -55,6 +62,26 @@ def main(path: str, index: int) -> None:
             torch.cuda.synchronize(dev)
     compiled = sum(v["compiles"] for v in cache_info().values())
     print("RESULT " + json.dumps({"compiled": compiled, "errors": errors}), flush=True)
+
+
+FIRST_PASS_WAIT_S = 900.0  # a retry waits at most this long for the other workers' first passes
+
+
+def first_pass_done(path: str, device: int, index: int) -> None:
+    """Mark that worker ``index`` finished its first pass over the specs on the job's ``device``-th device."""
+    open(f"{path}.first.{device}.{index}", "w").close()
+
+
+def wait_for_first_passes(path: str, device: int, shards: int, timeout: float = None) -> bool:
+    """Wait until every one of the ``shards`` workers has marked its first pass on that device; False after
+    ``timeout`` seconds (default FIRST_PASS_WAIT_S: a worker that died never marks, and the retries then run
+    anyway)."""
+    deadline = time.monotonic() + (FIRST_PASS_WAIT_S if timeout is None else timeout)
+    while not all(os.path.exists(f"{path}.first.{device}.{i}") for i in range(shards)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def out_of_memory(e: BaseException) -> bool:

@@ -136,21 +136,41 @@ def test_worker_processes_run_the_specs_and_report_problems(monkeypatch):
 
 def test_out_of_memory_specs_are_retried_one_worker_at_a_time(tmp_path):
     """A spec that ran out of device memory (torch's error, or cuBLAS failing to allocate) is not a problem yet:
-    each worker retries it after its other specs, under a lock, so that the retries of the largest shapes do not
-    run out again by all running at once."""
-    from tests.runtime import oom_builders  # noqa: F401 - registers the two builders (the workers import it too)
+    each worker retries it after its other specs, under a lock and after every worker's first pass, so that the
+    retries of the largest shapes do not run out again by all running at once or beside another worker's
+    largest shapes."""
+    from tests.runtime import oom_builders  # noqa: F401 - registers the builders (the workers import it too)
 
     log = tmp_path / "retries.txt"
-    specs = [("toy_oom_once", {"log": str(log)}, torch.float32), ("toy_cublas_once", {"log": str(log)}, torch.float32)]
+    specs = [("toy_oom_once", {"log": str(log)}, torch.float32), ("toy_cublas_once", {"log": str(log)}, torch.float32),
+             ("toy_slow", {"log": str(log)}, torch.float32)]
     rep = pc._parallel_compile(specs, [torch.device("cpu")], False, 2, verbose=False)
     assert rep["errors"] == [], rep
     runs = [line.split() for line in log.read_text().splitlines()]
+    slow = [(float(a), float(b)) for _, op, a, b in runs if op == "toy_slow"]
+    runs = [r for r in runs if r[1] != "toy_slow"]
+    assert len(slow) == 2, slow  # one first-pass run per worker (the second one 1.5 s longer)
+    first_pass_end = max(b for _, b in slow)
+    assert all(float(a) >= first_pass_end for _, _, a, _ in runs), f"a retry began during a first pass: {runs}, {slow}"
     assert sorted((pid, op) for pid, op, _, _ in runs) == sorted(
         (pid, op) for pid in {r[0] for r in runs} for op in ("toy_cublas_once", "toy_oom_once")), runs
     assert len({pid for pid, _, _, _ in runs}) == 2, runs
     spans = sorted((float(a), float(b), pid) for pid, _, a, b in runs)
     for (a0, b0, p0), (a1, b1, p1) in zip(spans, spans[1:]):
         assert p0 == p1 or a1 >= b0, f"retries of two workers overlapped: {spans}"
+
+
+def test_retries_wait_for_every_first_pass_but_not_for_a_dead_worker(tmp_path):
+    """The first-pass marks are per device and per worker; a worker that never marks (it died) holds the others'
+    retries back only until the timeout."""
+    from dflash_kernels.runtime.compile_worker import first_pass_done, wait_for_first_passes
+
+    job = str(tmp_path / "job.json")
+    first_pass_done(job, 0, 0)
+    first_pass_done(job, 1, 1)  # another device's mark does not count
+    assert not wait_for_first_passes(job, 0, 2, timeout=0.2)
+    first_pass_done(job, 0, 1)
+    assert wait_for_first_passes(job, 0, 2, timeout=0.2)
 
 
 def test_a_real_failure_is_not_retried():
