@@ -1,7 +1,7 @@
 """The warp-specialized Gluon backward for dense causal attention (kernels_gluon_sm90_causal_bwd.py) against the fp32
 reference (autograd through tests/ops/test_attention_gluon_sm90.py's ``reference``: top-left causal, the
 convention of ``causal_block_mask`` and of the Gluon forward) and the portable backward on the same o and lse:
-D = 128 / 64, bf16 / fp16, GQA 1 and 4, lengths 128, 333 and 1001, Tq < Tk and Tq > Tk; determinism; non-finite
+D = 128 / 64, bf16 / fp16, GQA 1, 4 and 8, lengths 128, 333 and 1001, Tq < Tk and Tq > Tk; determinism; non-finite
 K / V confined to the rows that see them, non-finite q / do rows confined to their dq and the keys they see.
 
 The op runs this backward after the Gluon causal forward (attention.py; tests/ops/test_attention.py,
@@ -29,7 +29,7 @@ ROW_TOL = {torch.bfloat16: 1.5e-1, torch.float16: 5e-2}
 # past the last query (seen by nobody: dk, dv 0), queries past the last key (they see every key).
 SHAPES = {"T128_gqa1": (2, 128, 128, 4, 4), "T333_gqa4": (2, 333, 333, 8, 2), "T1001_gqa4": (1, 1001, 1001, 4, 1),
           "T1001_gqa1": (1, 1001, 1001, 2, 2), "q333_k401_gqa4": (2, 333, 401, 8, 2),
-          "q300_k77_gqa1": (1, 300, 77, 2, 2)}
+          "q300_k77_gqa1": (1, 300, 77, 2, 2), "T333_gqa8": (1, 333, 333, 8, 1)}
 
 
 def _run(q, k, v, do, scale):
