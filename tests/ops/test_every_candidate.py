@@ -236,6 +236,8 @@ def _gdn_narrow(size, dtype):
 
     shape = (1, 200, 1, 4, 64, 32) if size == "real" else (2, 133, 2, 4, 128, 16)
     _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
+
+
 _gdn_onepass, _gdn_group = _gdn_forward("0", "onepass"), _gdn_forward("0", "group")
 _gdn_prepare = _gdn_forward("0", prepare="fused")
 
