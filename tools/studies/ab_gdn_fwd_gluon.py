@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library
 
 from tools.studies import ab_modes  # noqa: E402
-from tools.studies.ab_modes import device_us, gdn_rows, with_env  # noqa: E402
+from tools.studies.ab_modes import gdn_rows, time_forward, with_env  # noqa: E402
 
 MODES = ("triton", "gluon")
 ENV = "DFLASH_KERNELS_GDN_FWD"
@@ -60,49 +60,16 @@ def _check(row, tensors, kwargs, do):
 
 def worker(mode, only, check, quick):
     """Rows of one mode (``ENV`` set by the parent), printed as ``ROW {json}`` lines."""
-    import torch
-    from bench_common import bench_ms, peak_mib
-
-    from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
-
     def fill(row, c):
-        def fwd():
-            with torch.no_grad():
-                return chunk_gated_delta_rule(*c.tensors, **c.kwargs)
-
-        def fwd_bwd():
-            return torch.autograd.grad(chunk_gated_delta_rule(*c.tensors, **c.kwargs)[0], c.tensors, c.do)
-
         if check:
             _check(row, c.tensors, c.kwargs, c.do)
-        row["fwd_ms"] = bench_ms(fwd, quick, c.cuda)
-        row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, c.cuda)
-        row["peak_MiB"] = peak_mib(fwd_bwd, c.cuda)
-        if c.cuda:
-            us = device_us(fwd)
-            row["fwd_device_us"] = sum(us.values())
-            row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:8]}
+        time_forward(row, c, quick)
 
     gdn_rows("gdn_fwd_gluon", mode, ENV, only, fill)
 
 
 def _table(rows):
-    base = {r["label"]: r for r in rows if r.get("impl") == "triton" and isinstance(r.get("fwdbwd_ms"), float)}
-    lines = [f"{'shape':16s} {'mode':6s} {'fwd ms':>8s} {'vs triton':>9s} {'fwd+bwd ms':>10s} {'vs triton':>9s} "
-             f"{'fwd dev us':>10s}  check"]
-    for r in rows:
-        if "error" in r or "fwdbwd_ms" not in r:
-            lines.append(f"{r.get('label', '-'):16s} {r.get('impl', '-'):6s} error: {r.get('error', '?')[:150]}")
-            continue
-        b = base.get(r["label"])
-        if b is not None:
-            r["fwd_speedup_vs_triton"] = b["fwd_ms"] / r["fwd_ms"]
-            r["fwdbwd_speedup_vs_triton"] = b["fwdbwd_ms"] / r["fwdbwd_ms"]
-        fwd = f"{r['fwd_speedup_vs_triton']:.3f}x" if "fwd_speedup_vs_triton" in r else "-"
-        both = f"{r['fwdbwd_speedup_vs_triton']:.3f}x" if "fwdbwd_speedup_vs_triton" in r else "-"
-        lines.append(f"{r['label']:16s} {r['impl']:6s} {r['fwd_ms']:8.3f} {fwd:>9s} {r['fwdbwd_ms']:10.3f} "
-                     f"{both:>9s} {r.get('fwd_device_us', float('nan')):10.1f}  {r.get('check', '')}")
-    return "\n".join(lines)
+    return ab_modes.speedup_table(rows, "triton", [("fwd dev us", "fwd_device_us")])
 
 
 def main(argv=None):

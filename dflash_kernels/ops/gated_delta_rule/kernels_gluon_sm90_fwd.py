@@ -98,9 +98,10 @@ def _beta(x, BETA_MODE: gl.constexpr):
 
 
 @gluon.jit
-def _chunk_rows(c, T, b, h, t_bad_ptr, NT, HV: gl.constexpr, HAS_T_BAD: gl.constexpr, layout: gl.constexpr):
-    """Chunk ``c``'s row offsets inside the sequence, their validity, the rows read (valid, before t_bad) and
-    t_bad (BT when none)."""
+def _chunk(c, T, b, h, gcum_ptr, t_bad_ptr, NT, HV: gl.constexpr, HAS_T_BAD: gl.constexpr, layout: gl.constexpr):
+    """Chunk ``c`` as both warpgroups see it: its ring stage and phase, its S0 / U slot and that slot's phase, the
+    rows' offsets inside the chunk, their token indices (into [B, T, HV] tensors, for value head ``h``), their
+    validity, the rows read (valid, before t_bad), t_bad (BT when none) and G (0 past the sequence)."""
     o_i = gl.arange(0, BT, layout)
     rows = c * BT + o_i
     m_t = rows < T
@@ -108,7 +109,10 @@ def _chunk_rows(c, T, b, h, t_bad_ptr, NT, HV: gl.constexpr, HAS_T_BAD: gl.const
         t_bad = gl.load(t_bad_ptr + (b * NT + c) * HV + h)
     else:
         t_bad = BT
-    return o_i, rows, m_t, m_t & (o_i < t_bad), t_bad
+    tok = (b * T + rows).to(gl.int64) * HV + h
+    G = gl.load(gcum_ptr + tok, mask=m_t, other=0.0)
+    return (c % NUM_STAGES, (c // NUM_STAGES) & 1, c % 2, (c // 2) & 1, o_i, tok, m_t, m_t & (o_i < t_bad), t_bad,
+            G)
 
 
 @gluon.jit
@@ -138,13 +142,8 @@ def _chain(k_smem, v_smem, h_smem, u_smem, ud_smem, x_smem, ready, empty, h_read
     a_c = gl.arange(0, BT, gl.SliceLayout(0, a_blk))
     zero = gl.zeros([BT, BV], gl.float32, x_layout)
     for c in range(NT):
-        stage = c % NUM_STAGES
-        phase = (c // NUM_STAGES) & 1
-        buf = c % 2
-        bphase = (c // 2) & 1
-        o_i, rows, m_t, f_t, t_bad = _chunk_rows(c, T, b, h, t_bad_ptr, NT, HV, HAS_T_BAD, rows_l)
-        tok = (b * T + rows).to(gl.int64) * HV + h
-        G = gl.load(gcum_ptr + tok, mask=m_t, other=0.0)
+        stage, phase, buf, bphase, o_i, tok, m_t, f_t, t_bad, G = _chunk(c, T, b, h, gcum_ptr, t_bad_ptr, NT, HV,
+                                                                         HAS_T_BAD, rows_l)
         last = gl.minimum(c * BT + BT, T) - 1
         G_last = gl.load(gcum_ptr + (b * T + last).to(gl.int64) * HV + h)
         beta = gl.where(f_t, _beta(gl.load(beta_ptr + tok, mask=f_t, other=0.0).to(gl.float32), BETA_MODE), 0.0)
@@ -204,14 +203,8 @@ def _output(q_smem, k_smem, h_smem, u_smem, ready, empty, h_ready, h_free, u_rea
     zero_p = gl.zeros([BT, BT], gl.float32, p_layout)
     zero_o = gl.zeros([BT, BV], gl.float32, x_layout)
     for c in range(NT):
-        stage = c % NUM_STAGES
-        phase = (c // NUM_STAGES) & 1
-        buf = c % 2
-        bphase = (c // 2) & 1
-        o_i, rows, m_t, f_t, t_bad = _chunk_rows(c, T, b, h, t_bad_ptr, NT, HV, HAS_T_BAD, rows_l)
-        tok = (b * T + rows).to(gl.int64) * HV + h
-        G = gl.load(gcum_ptr + tok, mask=m_t, other=0.0)
-
+        stage, phase, buf, bphase, o_i, tok, m_t, f_t, t_bad, G = _chunk(c, T, b, h, gcum_ptr, t_bad_ptr, NT, HV,
+                                                                         HAS_T_BAD, rows_l)
         mbarrier.wait(ready.index(stage), phase)
         q_tile = q_smem.index(stage).reshape([BT, K])
         k_tile = k_smem.index(stage).reshape([BT, K])
