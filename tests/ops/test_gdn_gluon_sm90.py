@@ -132,17 +132,18 @@ GPU_CASES = {"B2_T333_gqa2": (2, 333, 4, 8, 128, 128), "B1_T64": (1, 64, 2, 2, 1
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("block_v", [64, 32], ids=["BV64", "BV32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("h0", [False, True], ids=["no_h0", "h0"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_kernel_matches_its_schedule(case, h0, dtype):
+def test_kernel_matches_its_schedule(case, h0, dtype, block_v):
     from dflash_kernels.ops.gated_delta_rule.kernels_gluon_sm90_fwd import gdn_fwd_gluon_sm90
 
     B, T, Hk, Hv, K, V = GPU_CASES[case]
     q, k, v, g, beta, state = _inputs(B, T, Hk, Hv, K, V, dtype, seed=T)
     state = state if h0 else None
     A, gcum, t_bad = _solve(k, v, g, beta)
-    o, ht = gdn_fwd_gluon_sm90(q, k, v, beta, gcum, A, t_bad, state, K ** -0.5)
+    o, ht = gdn_fwd_gluon_sm90(q, k, v, beta, gcum, A, t_bad, state, K ** -0.5, block_v=block_v)
     ro, rht = fused_fwd_reference(q, k, v, beta, gcum, A, t_bad, state, K ** -0.5)
     assert rel_err(o, ro) < 1e-2 and rel_err(ht, rht) < 1e-2, (rel_err(o, ro), rel_err(ht, rht))
 

@@ -28,8 +28,9 @@ def reports():
             "((64, False), (128, True), (128, 'dflash'), (64, 'dflash'))}; "
             "r.update({f'{D} {c} {t}': report(D, c, dtype=getattr(torch, t)) for D in (128, 64) "
             "for c in ('dflash_dkdv', 'dflash_dq') for t in ('bfloat16', 'float16')}); "
-            "r.update({f'{V} gdn_fwd {t}': report(V, 'gdn_fwd', dtype=getattr(torch, t)) for V, t in "
-            "((128, 'bfloat16'), (128, 'float16'), (64, 'bfloat16'))}); "
+            "r.update({f'{V} {c} {t}': report(V, c, dtype=getattr(torch, t)) for V, c, t in "
+            "((128, 'gdn_fwd', 'bfloat16'), (128, 'gdn_fwd', 'float16'), (64, 'gdn_fwd', 'bfloat16'), "
+            "(128, 'gdn_fwd_bv32', 'bfloat16'))}); "
             "print(json.dumps(r))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
@@ -95,15 +96,16 @@ def test_dflash_bwd_compiles_warp_specialized(reports, kernel, D, dtype):
         assert r["tma"] == 2 * pieces and r["mbarrier"] > 0, r
 
 
-@pytest.mark.parametrize("build", ["128 gdn_fwd bfloat16", "128 gdn_fwd float16", "64 gdn_fwd bfloat16"],
-                         ids=["V128_bf16", "V128_fp16", "V64_bf16"])
+@pytest.mark.parametrize("build", ["128 gdn_fwd bfloat16", "128 gdn_fwd float16", "64 gdn_fwd bfloat16",
+                                   "128 gdn_fwd_bv32 bfloat16"], ids=["V128_bf16", "V128_fp16", "V64_bf16", "BV32"])
 def test_gdn_fwd_compiles_warp_specialized(reports, build):
     r = reports[build]
     assert r["shared"] <= H200_SHARED_MEMORY
     assert r["stl"] == 0 and r["ldl"] == 0, f"register spills: {r}"
     assert r["ws_regions"] == 1 and r["setmaxnreg"] > 0, f"no warp-specialized region with setmaxnreg: {r}"
-    # K = 128, BT = 64, BV = 64; a 64-row MMA issues one instruction per 16 of its reduction. The chain: K S0 (8),
-    # A X (4), S1 over 128 rows (2 x 4); the output warpgroup: Q K^T (8), Q S0 (8), P U (4).
+    # K = 128, BT = 64, BV = 64 or 32 (the instruction's N); a 64-row MMA issues one instruction per 16 of its
+    # reduction. The chain: K S0 (8), A X (4), S1 over 128 rows (2 x 4); the output warpgroup: Q K^T (8), Q S0 (8),
+    # P U (4).
     assert r["wgmma"] == (8 + 4 + 8) + (8 + 8 + 4), r
     # q and k boxes: rows of 128 16-bit elements, two 128-byte pieces each; the v box one.
     assert r["tma"] == 5 and r["mbarrier"] > 0, r

@@ -192,9 +192,9 @@ def compile_gluon_causal_bwd(D: int, kernel: str, G: int = 4, dtype=None):
 
 
 def compile_gluon_gdn_fwd(dtype=None, V: int = 128, HK: int = 16, HV: int = 32, t_bad: bool = True,
-                          h0: bool = False, beta_mode: int = 0, state_v_first: bool = False):
+                          h0: bool = False, beta_mode: int = 0, state_v_first: bool = False, block_v: int = None):
     """The compiled Gluon GDN forward (ops/gated_delta_rule/kernels_gluon_sm90_fwd.py) at K = 128, as its launcher
-    would launch it at bf16 (or ``dtype``)."""
+    would launch it at bf16 (or ``dtype``) with ``block_v`` value columns per program (default its VBLOCK)."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -209,7 +209,7 @@ def compile_gluon_gdn_fwd(dtype=None, V: int = 128, HK: int = 16, HV: int = 32, 
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     fn = GF._gdn_fwd_ws_kernel
     sig = {"q_desc": mangle_type(GF._descriptor(x, 128)), "k_desc": mangle_type(GF._descriptor(x, 128)),
-           "v_desc": mangle_type(GF._descriptor(y, GF.VBLOCK)), "o_ptr": ptr, "A_ptr": "*fp32", "gcum_ptr": "*fp32",
+           "v_desc": mangle_type(GF._descriptor(y, block_v or GF.VBLOCK)), "o_ptr": ptr, "A_ptr": "*fp32", "gcum_ptr": "*fp32",
            "beta_ptr": ptr, "t_bad_ptr": "*i32" if t_bad else "constexpr", "h0_ptr": "*fp32" if h0 else "constexpr",
            "ht_ptr": "*fp32", "T": "i32", "NT": "i32", "scale": "fp32"}
     constexprs = {"HK": HK, "HV": HV, "K": 128, "V": V, "BETA_MODE": beta_mode, "HAS_H0": h0, "HAS_T_BAD": t_bad,
@@ -241,8 +241,8 @@ def report(D: int, causal, dump: str = None, dtype=None, G: int = 4) -> dict:
     ``"dflash"`` for the DFlash-mask forward, ``"dflash_dkdv"`` / ``"dflash_dq"`` for the DFlash backward's
     kernels, ``"causal_dkdv"`` / ``"causal_dq"`` for the dense causal backward's (bf16, or ``dtype``; GQA ``G``
     for the backwards)."""
-    if causal == "gdn_fwd":
-        compiled = compile_gluon_gdn_fwd(dtype, V=D)
+    if causal in ("gdn_fwd", "gdn_fwd_bv32"):
+        compiled = compile_gluon_gdn_fwd(dtype, V=D, block_v=32 if causal.endswith("bv32") else None)
     elif causal == "dflash":
         compiled = compile_gluon_dflash(D, dtype=dtype)
     elif causal in ("dflash_dkdv", "dflash_dq"):
@@ -288,12 +288,14 @@ def main():
     builds += [(D, c, dt, g) for c in ("causal_dkdv", "causal_dq") for g in (1, 4) for D in (128, 64)
                for dt in (torch.bfloat16, torch.float16)]
     # The GDN forward (K = 128; D here is V), Hk 16 / Hv 32.
-    builds += [(V, "gdn_fwd", dt, 4) for V in (128, 64) for dt in (torch.bfloat16, torch.float16)]
+    builds += [(V, c, dt, 4) for c in ("gdn_fwd", "gdn_fwd_bv32") for V in (128, 64)
+               for dt in (torch.bfloat16, torch.float16)]
     for D, causal, dtype, g in builds:
-        if causal == "gdn_fwd":
+        if str(causal).startswith("gdn_fwd"):
             from dflash_kernels.ops.gated_delta_rule import kernels_gluon_sm90_fwd as GF
 
-            name = f"GDN fwd V{D} {str(dtype).split('.')[-1]} BV{GF.VBLOCK} S{GF.STAGES}"
+            bv = 32 if causal.endswith("bv32") else GF.VBLOCK
+            name = f"GDN fwd V{D} {str(dtype).split('.')[-1]} BV{bv} S{GF.STAGES}"
         elif causal in ("dflash_dkdv", "dflash_dq", "causal_dkdv", "causal_dq"):
             from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash_bwd as GB
 
@@ -302,7 +304,7 @@ def main():
         else:
             cfg = G.tile_config(D)
             tag = {False: "full", True: "causal", "dflash": "dflash G4"}[causal]
-        if causal != "gdn_fwd":
+        if not str(causal).startswith("gdn_fwd"):
             name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
         try:
             r = report(D, causal, args.dump, dtype, g)

@@ -48,14 +48,15 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dflash_kernels.runtime import Config, TritonKernel, alloc, bucket, cdiv
+from dflash_kernels.runtime.devices import device_index, sm_count
 
 __all__ = ["gdn_fwd_gluon_sm90", "gdn_fwd_gluon_kernel", "gluon_forward_supports", "fused_fwd_reference"]
 
 CHUNK = 64  # chunk length, as kernels_fwd.py
-VBLOCK = 64  # value columns per program: S0 [K, BV] fp32 is 64 registers a thread of the chain warpgroup at K = 128
+VBLOCK = 64  # value columns per program (BV, the v box's width): S0 [K, BV] fp32 is 64 registers a thread of the
+# chain warpgroup at K = 128; 32 where 64 leaves SMs idle (``gdn_fwd_gluon_sm90``'s block_v)
 STAGES = 2  # the q / k / v ring
 BT: gl.constexpr = gl.constexpr(CHUNK)  # the same, as the kernels see them
-BV: gl.constexpr = gl.constexpr(VBLOCK)
 NUM_STAGES: gl.constexpr = gl.constexpr(STAGES)
 PRODUCER_REGS = 24
 CONSUMER_REGS = 232
@@ -118,8 +119,8 @@ def _chunk(c, T, b, h, gcum_ptr, t_bad_ptr, NT, HV: gl.constexpr, HAS_T_BAD: gl.
 @gluon.jit
 def _chain(k_smem, v_smem, h_smem, u_smem, ud_smem, x_smem, ready, empty, h_ready, h_free, u_ready, u_free,
            A_ptr, gcum_ptr, beta_ptr, t_bad_ptr, h0_ptr, ht_ptr, b, h, vb, T, NT,
-           HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BETA_MODE: gl.constexpr, HAS_H0: gl.constexpr,
-           HAS_T_BAD: gl.constexpr, STATE_V_FIRST: gl.constexpr):
+           HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, BETA_MODE: gl.constexpr,
+           HAS_H0: gl.constexpr, HAS_T_BAD: gl.constexpr, STATE_V_FIRST: gl.constexpr):
     """The chain warpgroup: S0 -> S1 chunk after chunk, U into the output warpgroup's slots (module docstring)."""
     dtype: gl.constexpr = k_smem.dtype
     x_layout: gl.constexpr = _acc_layout(BV)  # [BT, BV] and [K, BV] accumulators
@@ -191,7 +192,7 @@ def _chain(k_smem, v_smem, h_smem, u_smem, ud_smem, x_smem, ready, empty, h_read
 @gluon.jit
 def _output(q_smem, k_smem, h_smem, u_smem, ready, empty, h_ready, h_free, u_ready, u_free, o_ptr, gcum_ptr,
             t_bad_ptr, b, h, vb, T, NT, scale, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
-            HAS_T_BAD: gl.constexpr):
+            BV: gl.constexpr, HAS_T_BAD: gl.constexpr):
     """The output warpgroup: o of every chunk from Q, K and the chain's S0 and U (module docstring)."""
     dtype: gl.constexpr = q_smem.dtype
     x_layout: gl.constexpr = _acc_layout(BV)
@@ -236,6 +237,7 @@ def _output(q_smem, k_smem, h_smem, u_smem, ready, empty, h_ready, h_free, u_rea
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, b, h, hk, vb, NT,
               K: gl.constexpr, V: gl.constexpr):
     """TMA copies of each chunk's q, k and v block into the ring."""
+    BV: gl.constexpr = v_desc.block_type.shape[2]
     nbytes: gl.constexpr = q_desc.block_type.nbytes + k_desc.block_type.nbytes + v_desc.block_type.nbytes
     for c in range(NT):
         stage = c % NUM_STAGES
@@ -253,7 +255,9 @@ def _gdn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, A_ptr, gcum_ptr, beta_ptr,
                        scale, HK: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                        BETA_MODE: gl.constexpr, HAS_H0: gl.constexpr, HAS_T_BAD: gl.constexpr,
                        STATE_V_FIRST: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
-    """One program: sequence ``b``, value head ``h``, value block ``vb``; grid ``B * HV * (V // BV)``."""
+    """One program: sequence ``b``, value head ``h``, value block ``vb``; grid ``B * HV * (V // BV)``, BV the v
+    box's width."""
+    BV: gl.constexpr = v_desc.block_type.shape[2]
     NVB: gl.constexpr = V // BV
     pid = gl.program_id(0)
     vb = pid % NVB
@@ -290,10 +294,10 @@ def _gdn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_ptr, A_ptr, gcum_ptr, beta_ptr,
 
     gl.warp_specialize([
         (_chain, (k_smem, v_smem, h_smem, u_smem, ud_smem, x_smem, ready, empty, h_ready, h_free, u_ready, u_free,
-                  A_ptr, gcum_ptr, beta_ptr, t_bad_ptr, h0_ptr, ht_ptr, b, h, vb, T, NT, HV, K, V, BETA_MODE,
+                  A_ptr, gcum_ptr, beta_ptr, t_bad_ptr, h0_ptr, ht_ptr, b, h, vb, T, NT, HV, K, V, BV, BETA_MODE,
                   HAS_H0, HAS_T_BAD, STATE_V_FIRST)),
         (_output, (q_smem, k_smem, h_smem, u_smem, ready, empty, h_ready, h_free, u_ready, u_free, o_ptr, gcum_ptr,
-                   t_bad_ptr, b, h, vb, T, NT, scale, HV, K, V, HAS_T_BAD)),
+                   t_bad_ptr, b, h, vb, T, NT, scale, HV, K, V, BV, HAS_T_BAD)),
         (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, ready, empty, b, h, hk, vb, NT, K, V)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -309,16 +313,20 @@ def _descriptor(x: torch.Tensor, cols: int) -> TensorDescriptor:
 
 
 def gdn_fwd_gluon_sm90(q, k, v, beta, gcum, A, t_bad, h0, scale: float, beta_mode: int = 0,
-                       state_v_first: bool = False):
+                       state_v_first: bool = False, block_v: int = None):
     """The forward's scan, U and output (module docstring): ``(o [B, T, Hv, V] like q, final state fp32
     [B, Hv, K, V] or [B, Hv, V, K])``. q, k ``[B, T, Hk, 128]`` (l2-normalised when the op asks), v ``[B, T, Hv,
     V]`` (rows may be strided), beta ``[B, T, Hv]`` as passed (``beta_mode`` as kernels_fwd.gdn_beta), and the
     solve kernel's gcum ``[B, T, Hv]``, A ``[B, T, Hv, 64]`` fp32 and t_bad ``[B * chunks, Hv]`` int32 (or None);
-    h0 fp32 in the final state's layout, or None. ``gluon_forward_supports`` must hold."""
+    h0 fp32 in the final state's layout, or None. ``gluon_forward_supports`` must hold. ``block_v``: the value
+    columns per program, 64 or 32 (default: 32 when 64 gives fewer programs than the GPU has SMs)."""
     assert gluon_forward_supports(q, k, v, None, False), "gdn_fwd_gluon_sm90: inputs it does not take"
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     assert Hv % Hk == 0 and beta.is_contiguous() and gcum.is_contiguous() and A.is_contiguous()
+    if block_v is None:
+        block_v = 32 if B * Hv * (V // VBLOCK) < sm_count(device_index(q.device)) else VBLOCK
+    assert block_v in (32, 64) and V % block_v == 0, f"block_v: 32 or 64, dividing V = {V}; got {block_v}"
     NT = cdiv(T, CHUNK)
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     ht = alloc.empty(B, Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32, device=q.device)
@@ -331,14 +339,15 @@ def gdn_fwd_gluon_sm90(q, k, v, beta, gcum, A, t_bad, h0, scale: float, beta_mod
     if h0 is not None:
         h0 = h0.contiguous()
     gdn_fwd_gluon_kernel(
-        (B * Hv * (V // VBLOCK),), _descriptor(q, K), _descriptor(k, K), _descriptor(v, VBLOCK), o, A, gcum, beta, t_bad,
-        h0, ht, T, NT, scale, bucket=(bucket(T),), HK=Hk, HV=Hv, K=K, V=V, BETA_MODE=beta_mode,
+        (B * Hv * (V // block_v),), _descriptor(q, K), _descriptor(k, K), _descriptor(v, block_v), o, A, gcum, beta,
+        t_bad, h0, ht, T, NT, scale, bucket=(bucket(T),), HK=Hk, HV=Hv, K=K, V=V, BETA_MODE=beta_mode,
         HAS_H0=h0 is not None, HAS_T_BAD=t_bad is not None, STATE_V_FIRST=bool(state_v_first),
         CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS)
     return o, ht
 
 
-# One launch configuration: the tiles are fixed (BT, BV) and the register split is part of the design.
+# One launch configuration: the tiles are fixed (BT; BV by the v descriptor) and the register split is part of the
+# design.
 gdn_fwd_gluon_kernel = TritonKernel(_gdn_fwd_ws_kernel, name="gdn_fwd_gluon_sm90",
                                     configs=[Config(num_warps=4, num_stages=1, maxnreg=MAXNREG)])
 
