@@ -75,8 +75,9 @@ KNOWN = {
     "gdn_fwd_solve", "gdn_fwd_wu", "gdn_fwd_state", "gdn_fwd_state_output", "gdn_bwd_state", "gdn_bwd_local",
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
     "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
-    "gdn_fwd_output", "gdn_fwd_output_fp32", "gdn_bwd_onepass", "gdn_bwd_onepass_fp32", "gdn_bwd_onepass_group",
-    "gdn_bwd_onepass_group_fp32", "gdn_fwd_prepare", "gdn_fwd_prepare_fp32", "gdn_fwd_gluon_sm90",
+    "gdn_fwd_output", "gdn_fwd_output_fp32", "gdn_fwd_wu_narrow", "gdn_fwd_wu_narrow_fp32", "gdn_bwd_onepass",
+    "gdn_bwd_onepass_fp32", "gdn_bwd_onepass_group", "gdn_bwd_onepass_group_fp32", "gdn_fwd_prepare",
+    "gdn_fwd_prepare_fp32", "gdn_fwd_gluon_sm90",
     "linear_ce_rows", "adamw",
     "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
     "rope", "swiglu_fwd", "swiglu_bwd",
@@ -230,6 +231,16 @@ def _gdn_forward(split: str, local: str = "twopass", prepare: str = "split", fwd
 
 
 _gdn_chunk, _gdn_split = _gdn_forward("0"), _gdn_forward("1")
+
+
+def _gdn_narrow(size, dtype):
+    """The chunked op, forward and backward, at V <= 32 (the w/u kernel's narrow form, kernels_fwd.py)."""
+    from tests.ops.test_gated_delta_rule import _compare, _inputs
+
+    shape = (1, 200, 1, 4, 64, 32) if size == "real" else (2, 133, 2, 4, 128, 16)
+    _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
+
+
 _gdn_onepass, _gdn_group = _gdn_forward("0", "onepass"), _gdn_forward("0", "group")
 _gdn_prepare = _gdn_forward("0", prepare="fused")
 _gdn_gluon = _gdn_forward("0", fwd="gluon")
@@ -396,6 +407,7 @@ DRIVERS = {
     "causal_conv1d_fwd": _conv1d, "causal_conv1d_bwd": _conv1d, "causal_conv1d_update": _conv1d_update,
     **{n: _gdn_chunk for n in _GDN_CHUNK + [n + "_fp32" for n in _GDN_CHUNK]
        + ["gdn_l2norm_fwd", "gdn_l2norm_bwd"]},
+    "gdn_fwd_wu_narrow": _gdn_narrow, "gdn_fwd_wu_narrow_fp32": _gdn_narrow,
     "gdn_recurrent": _gdn_recurrent, "gdn_fwd_output": _gdn_split, "gdn_fwd_output_fp32": _gdn_split,
     "gdn_bwd_onepass": _gdn_onepass, "gdn_bwd_onepass_fp32": _gdn_onepass,
     "gdn_bwd_onepass_group": _gdn_group, "gdn_bwd_onepass_group_fp32": _gdn_group,

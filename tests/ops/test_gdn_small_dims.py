@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dflash_kernels.ops.gated_delta_rule import gated_delta_rule as gdn_module
-from dflash_kernels.ops.gated_delta_rule import kernels_bwd
+from dflash_kernels.ops.gated_delta_rule import kernels_bwd, kernels_fwd
 from dflash_kernels.runtime import alloc
 from tests.helpers import device, slow_param
 from tests.ops.test_gated_delta_rule import _compare, _inputs, _run
@@ -147,3 +147,26 @@ def test_bk32_runs_v_blocks_of_32(monkeypatch, V):
                 k.reset()
     for name in results[0]:
         assert torch.equal(results[0][name], results[1][name]), name
+
+
+@pytest.mark.parametrize("K,V", [(64, 32), (128, 16)])
+def test_narrow_v_forward_with_every_wu_candidate_timed(monkeypatch, K, V):
+    """V <= 32 with tuning on (on a GPU the tuner times every w/u candidate on a fresh key): the forward takes the
+    w/u kernel's narrow form (kernels_fwd.py: the 32-column candidate faulted there on sm_90), and the op's
+    output, final state and every gradient match the fp32 recurrence."""
+    monkeypatch.setenv("DFLASH_KERNELS_TUNE", "1")
+    narrow = kernels_fwd.gdn_fwd_wu_narrow_kernel.default
+    wide = kernels_fwd.gdn_fwd_wu_kernel.default
+    narrow.reset()
+    wide.reset()
+    try:
+        torch.manual_seed(0)
+        tensors = _inputs(1, 200, 1, 4, K, V, torch.bfloat16, h0=True)
+        _compare(tensors, dict(use_qk_l2norm_in_kernel=True), True, torch.bfloat16)
+        if device().type == "cuda":
+            torch.cuda.synchronize()  # a fault surfaces here, in this test
+        assert narrow.cache_info(), "the forward did not launch the narrow w/u kernel"
+        assert not wide.cache_info(), "the forward launched the wide w/u kernel at V <= 32"
+    finally:
+        narrow.reset()
+        wide.reset()

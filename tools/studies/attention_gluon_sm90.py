@@ -179,21 +179,29 @@ def run_dflash_bwd(shape, quick=False):
     return row
 
 
-def run_causal_bwd(shape, quick=False):
-    """Dense causal forward + backward through the op (on sm_90 the Gluon forward and the Gluon backward) and the
-    Gluon causal backward alone through its launcher, each against SDPA (module docstring, ``--only causal_bwd``)."""
-    from dflash_kernels import block_sparse_attention, causal_block_mask
-    from dflash_kernels.ops.attention.attention import forward_path
-    from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
-    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_sm90_causal
+def _causal_inputs(shape):
+    """The causal studies' inputs at ``shape`` (B, H, Hkv, L, D): seeded bf16 q, k, v and the upstream gradient
+    ``[B, L, heads, D]``, leaf copies of q, k, v for autograd, the scale and ``causal_block_mask(L)``."""
+    from dflash_kernels import causal_block_mask
 
     B, H, Hkv, L, D = (shape[k] for k in ("B", "H", "Hkv", "L", "D"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(B, L, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for n in (H, Hkv, Hkv, H))
-    scale = D ** -0.5
-    mask = causal_block_mask(L, device="cuda")
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    return q, k, v, do, qg, kg, vg, D ** -0.5, causal_block_mask(L, device="cuda")
+
+
+def run_causal_bwd(shape, quick=False):
+    """Dense causal forward + backward through the op (on sm_90 the Gluon forward and the Gluon backward) and the
+    Gluon causal backward alone through its launcher, each against SDPA (module docstring, ``--only causal_bwd``)."""
+    from dflash_kernels import block_sparse_attention
+    from dflash_kernels.ops.attention.attention import forward_path
+    from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
+    from dflash_kernels.ops.attention.kernels_gluon_sm90_causal_bwd import attention_bwd_gluon_sm90_causal
+
+    B, H, Hkv, L, D = (shape[k] for k in ("B", "H", "Hkv", "L", "D"))
+    q, k, v, do, qg, kg, vg, scale, mask = _causal_inputs(shape)
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
     do_t = do.transpose(1, 2)
 
@@ -245,16 +253,11 @@ def run_causal_profile(shape, quick=False):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from dflash_kernels import block_sparse_attention, causal_block_mask
+    from dflash_kernels import block_sparse_attention
     from dflash_kernels.ops.attention.kernels_gluon_sm90 import attention_fwd_gluon_sm90
 
-    B, H, Hkv, L, D = (shape[k] for k in ("B", "H", "Hkv", "L", "D"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, L, n, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-                   for n in (H, Hkv, Hkv, H))
-    scale = D ** -0.5
-    mask = causal_block_mask(L, device="cuda")
-    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    H, Hkv = shape["H"], shape["Hkv"]
+    q, k, v, do, qg, kg, vg, scale, mask = _causal_inputs(shape)
     qt, kt, vt = (x.detach().transpose(1, 2).contiguous() for x in (q, k, v))
     qtg, ktg, vtg = (x.detach().requires_grad_() for x in (qt, kt, vt))
     do_t = do.transpose(1, 2).contiguous()

@@ -20,7 +20,7 @@ from dflash_kernels.ops.gated_delta_rule.kernels_bwd import (gdn_bwd_group_kerne
                                                              gdn_bwd_onepass_kernel, gdn_bwd_state_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_output_kernel, gdn_fwd_scan_kernel,
                                                              gdn_fwd_scan_states_kernel, gdn_fwd_solve_kernel,
-                                                             gdn_fwd_wu_kernel)
+                                                             gdn_fwd_wu_kernel, gdn_fwd_wu_narrow_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd_fused import gdn_fwd_prepare_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_gluon_sm90_fwd import gdn_fwd_gluon_sm90, gluon_forward_supports
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_kernel, gdn_l2norm_fwd_kernel
@@ -159,9 +159,10 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, fuse
                                    HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
         if not wu:
             return A, gcum, None, None, t_bad
-    gdn_fwd_wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, t_bad, w, u, cu, indices, T, row_stride(v),
-                            bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
-                            IS_VARLEN=cu is not None, BETA_MODE=beta_mode, HAS_T_BAD=t_bad is not None)
+    wu_kernel = gdn_fwd_wu_narrow_kernel if V <= 32 else gdn_fwd_wu_kernel  # kernels_fwd.py says why
+    wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, t_bad, w, u, cu, indices, T, row_stride(v),
+                    bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
+                    IS_VARLEN=cu is not None, BETA_MODE=beta_mode, HAS_T_BAD=t_bad is not None)
     return A, gcum, w, u, t_bad
 
 

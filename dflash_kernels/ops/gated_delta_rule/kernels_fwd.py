@@ -642,6 +642,13 @@ gdn_fwd_solve_kernel = ByPrecision(_gdn_fwd_solve_kernel, "gdn_fwd_solve", [Conf
 gdn_fwd_wu_kernel = ByPrecision(
     _gdn_fwd_wu_kernel, "gdn_fwd_wu",
     [Config(BV=64, num_warps=4), Config(BV=32, num_warps=4), Config(BV=64, num_warps=8)], FP32_CONFIGS)
+# The same kernel for V <= 32 (``_prep`` picks it), without the 32-column candidate: on sm_90 with triton 3.6 its
+# V loop of a single 32-column block at K >= 64 reads shared memory out of range at the u product (an illegal
+# memory access; compute-sanitizer names kernels_fwd.py's ``b_u`` line). Forced alone on an H100 it faulted at
+# K 64 and 128 with V 16 and 32, and was right at K = 32 and at V = 48 and 64 (two blocks); the 64-column
+# candidates were right at every one of those shapes (benchmarks/results/README.md, Gated DeltaNet).
+gdn_fwd_wu_narrow_kernel = ByPrecision(
+    _gdn_fwd_wu_kernel, "gdn_fwd_wu_narrow", [Config(BV=64, num_warps=4), Config(BV=64, num_warps=8)], FP32_CONFIGS)
 # The scan storing each chunk's start state and U (the backward's recompute, the split forward). Its
 # 8-warp BV <= 32 candidates, as the forward's, are those that do not spill registers on sm_90 builds
 # (tools/studies/sm90_resources.py); the tuner times them all. The K-split form (KSPLIT, ``_states_khalves``:

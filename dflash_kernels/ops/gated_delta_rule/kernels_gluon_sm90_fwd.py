@@ -49,6 +49,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dflash_kernels.runtime import Config, TritonKernel, alloc, bucket, cdiv
 from dflash_kernels.runtime.devices import device_index, sm_count
+from dflash_kernels.runtime.tma import smem_layout
 
 __all__ = ["gdn_fwd_gluon_sm90", "gdn_fwd_gluon_kernel", "gluon_forward_supports", "fused_fwd_reference"]
 
@@ -306,10 +307,8 @@ def _descriptor(x: torch.Tensor, cols: int) -> TensorDescriptor:
     """A rank-3 TMA descriptor over ``[B, T, heads, D]`` (rows of ``heads * D`` elements, any 16-byte multiple
     row stride) viewed as ``[B, T, heads * D]``, with ``[1, BT, cols]`` boxes."""
     B, T, NH, D = x.shape
-    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[x.dtype]
     block = [1, CHUNK, cols]
-    return TensorDescriptor(x, [B, T, NH * D], [x.stride(0), x.stride(1), 1], block,
-                            gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+    return TensorDescriptor(x, [B, T, NH * D], [x.stride(0), x.stride(1), 1], block, smem_layout(block, x.dtype))
 
 
 def gdn_fwd_gluon_sm90(q, k, v, beta, gcum, A, t_bad, h0, scale: float, beta_mode: int = 0,
