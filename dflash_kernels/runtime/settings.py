@@ -17,6 +17,8 @@ Environment variables (read at import, overridable from Python):
 - ``DFLASH_KERNELS_GDN_BWD_LOCAL=twopass|onepass|group``: the GDN backward's local kernel (:func:`gdn_bwd_local`).
 - ``DFLASH_KERNELS_GDN_FWD_PREPARE=split|fused``: the GDN forward's per-chunk preparation, its solve and w/u
   kernels (``split``, the default) or one kernel doing both (``fused``, opt-in) (:func:`gdn_fwd_prepare`).
+- ``DFLASH_KERNELS_GDN_FWD=triton|gluon``: the GDN forward after its solve, the w/u kernel and the Triton scan
+  (``triton``, the default) or the warp-specialized Gluon kernel on sm_90 (``gluon``, opt-in) (:func:`gdn_fwd`).
 """
 
 import contextlib
@@ -92,6 +94,17 @@ def gdn_fwd_prepare() -> str:
     memory; ``fused``: one kernel doing both per chunk and value head (``kernels_fwd_fused.py``; the same results).
     The backward's recompute of w and u keeps the w/u kernel either way. Another value raises ValueError naming it."""
     return _env_choice("DFLASH_KERNELS_GDN_FWD_PREPARE", GDN_FWD_PREPARE_MODES)
+
+
+GDN_FWD_MODES = ("triton", "gluon")
+
+
+def gdn_fwd() -> str:
+    """``DFLASH_KERNELS_GDN_FWD``: which kernels run the GDN forward after its solve. ``triton`` (default): the
+    w/u kernel and the Triton scan (fused or split); ``gluon`` (opt-in, sm_90): the warp-specialized Gluon kernel
+    of ``kernels_gluon_sm90_fwd.py`` (U from A, no w / u), for the inputs it takes (a ValueError names the others).
+    Another value raises ValueError naming it."""
+    return _env_choice("DFLASH_KERNELS_GDN_FWD", GDN_FWD_MODES)
 
 
 def interpreting() -> bool:

@@ -76,8 +76,8 @@ KNOWN = {
     "gdn_fwd_solve_fp32", "gdn_fwd_wu_fp32", "gdn_fwd_state_fp32", "gdn_fwd_state_output_fp32",
     "gdn_bwd_state_fp32", "gdn_bwd_local_fp32", "gdn_l2norm_fwd", "gdn_l2norm_bwd", "gdn_recurrent",
     "gdn_fwd_output", "gdn_fwd_output_fp32", "gdn_fwd_wu_narrow", "gdn_fwd_wu_narrow_fp32", "gdn_bwd_onepass",
-    "gdn_bwd_onepass_fp32", "gdn_bwd_onepass_group",
-    "gdn_bwd_onepass_group_fp32", "gdn_fwd_prepare", "gdn_fwd_prepare_fp32",
+    "gdn_bwd_onepass_fp32", "gdn_bwd_onepass_group", "gdn_bwd_onepass_group_fp32", "gdn_fwd_prepare",
+    "gdn_fwd_prepare_fp32", "gdn_fwd_gluon_sm90",
     "linear_ce_rows", "adamw",
     "rms_norm_fwd_narrow", "rms_norm_fwd_wide", "rms_norm_bwd_narrow", "rms_norm_bwd_wide",
     "rope", "swiglu_fwd", "swiglu_bwd",
@@ -207,21 +207,24 @@ def _conv1d_update(size, dtype):
     assert torch.equal(state, state_ref), "conv_state after the update"
 
 
-def _gdn_forward(split: str, local: str = "twopass", prepare: str = "split"):
+def _gdn_forward(split: str, local: str = "twopass", prepare: str = "split", fwd: str = "triton"):
     """The chunked op, forward and backward, with the forward forced fused (``"0"``: its scan writes the
     output) or split (``"1"``: the state scan, then the output kernel), whatever the library would pick
     for the shape (it splits for few sequences and heads on a GPU), the backward's local kernel
-    ``local`` (``DFLASH_KERNELS_GDN_BWD_LOCAL``) and the forward's prep ``prepare``
-    (``DFLASH_KERNELS_GDN_FWD_PREPARE``: the solve and w/u kernels, or the fused kernel doing both)."""
+    ``local`` (``DFLASH_KERNELS_GDN_BWD_LOCAL``), the forward's prep ``prepare``
+    (``DFLASH_KERNELS_GDN_FWD_PREPARE``: the solve and w/u kernels, or the fused kernel doing both) and its
+    kernels after the solve ``fwd`` (``DFLASH_KERNELS_GDN_FWD``: ``gluon`` needs an sm_90 GPU)."""
     def driver(size, dtype):
         import os
         from unittest import mock
 
         from tests.ops.test_gated_delta_rule import _compare, _inputs
 
+        if fwd == "gluon" and torch.cuda.get_device_capability()[0] != 9:
+            pytest.skip("the Gluon GDN forward needs an sm_90 GPU")
         shape = (1, 1024, 4, 8, 128, 128) if size == "real" else (2, 333, 2, 6, 128, 128)
         env = {"DFLASH_KERNELS_GDN_FWD_SPLIT": split, "DFLASH_KERNELS_GDN_BWD_LOCAL": local,
-               "DFLASH_KERNELS_GDN_FWD_PREPARE": prepare}
+               "DFLASH_KERNELS_GDN_FWD_PREPARE": prepare, "DFLASH_KERNELS_GDN_FWD": fwd}
         with mock.patch.dict(os.environ, env):
             _compare(_inputs(*shape, dtype, h0=True), dict(use_qk_l2norm_in_kernel=True), True, dtype)
     return driver
@@ -240,6 +243,7 @@ def _gdn_narrow(size, dtype):
 
 _gdn_onepass, _gdn_group = _gdn_forward("0", "onepass"), _gdn_forward("0", "group")
 _gdn_prepare = _gdn_forward("0", prepare="fused")
+_gdn_gluon = _gdn_forward("0", fwd="gluon")
 
 
 def _gdn_recurrent(size, dtype):
@@ -407,7 +411,7 @@ DRIVERS = {
     "gdn_recurrent": _gdn_recurrent, "gdn_fwd_output": _gdn_split, "gdn_fwd_output_fp32": _gdn_split,
     "gdn_bwd_onepass": _gdn_onepass, "gdn_bwd_onepass_fp32": _gdn_onepass,
     "gdn_bwd_onepass_group": _gdn_group, "gdn_bwd_onepass_group_fp32": _gdn_group,
-    "gdn_fwd_prepare": _gdn_prepare, "gdn_fwd_prepare_fp32": _gdn_prepare,
+    "gdn_fwd_prepare": _gdn_prepare, "gdn_fwd_prepare_fp32": _gdn_prepare, "gdn_fwd_gluon_sm90": _gdn_gluon,
     "linear_ce_rows": _linear_cross_entropy, "adamw": _adamw,
     "rms_norm_fwd_narrow": _rms_norm(True), "rms_norm_bwd_narrow": _rms_norm(True),
     "rms_norm_fwd_wide": _rms_norm(False), "rms_norm_bwd_wide": _rms_norm(False),

@@ -1,5 +1,6 @@
-"""The Gluon sm_90 attention forwards (dense: kernels_gluon_sm90.py; DFlash mask: kernels_gluon_sm90_dflash.py)
-and the DFlash-mask backward's dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py) compile for Hopper
+"""The Gluon sm_90 attention forwards (dense: kernels_gluon_sm90.py; DFlash mask: kernels_gluon_sm90_dflash.py),
+the DFlash-mask backward's dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py) and the GDN forward
+(ops/gated_delta_rule/kernels_gluon_sm90_fwd.py) compile for Hopper
 on the CPU with the structure they are written for (tools/studies/gluon_sm90_compile.py):
 one warp-specialized region with register rebalancing, the expected number of warpgroup MMAs, TMA copies, no
 spills, shared memory within sm_90's limit.
@@ -27,6 +28,9 @@ def reports():
             "((64, False), (128, True), (128, 'dflash'), (64, 'dflash'))}; "
             "r.update({f'{D} {c} {t}': report(D, c, dtype=getattr(torch, t)) for D in (128, 64) "
             "for c in ('dflash_dkdv', 'dflash_dq') for t in ('bfloat16', 'float16')}); "
+            "r.update({f'{V} {c} {t}': report(V, c, dtype=getattr(torch, t)) for V, c, t in "
+            "((128, 'gdn_fwd', 'bfloat16'), (128, 'gdn_fwd', 'float16'), (64, 'gdn_fwd', 'bfloat16'), "
+            "(128, 'gdn_fwd_bv32', 'bfloat16'))}); "
             "print(json.dumps(r))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
@@ -90,3 +94,18 @@ def test_dflash_bwd_compiles_warp_specialized(reports, kernel, D, dtype):
         # Two consumers, one site: S, dP (D / 16 each) and dQ (BN / 16).
         assert r["wgmma"] == 2 * (2 * (D // 16) + BN // 16), r
         assert r["tma"] == 2 * pieces and r["mbarrier"] > 0, r
+
+
+@pytest.mark.parametrize("build", ["128 gdn_fwd bfloat16", "128 gdn_fwd float16", "64 gdn_fwd bfloat16",
+                                   "128 gdn_fwd_bv32 bfloat16"], ids=["V128_bf16", "V128_fp16", "V64_bf16", "BV32"])
+def test_gdn_fwd_compiles_warp_specialized(reports, build):
+    r = reports[build]
+    assert r["shared"] <= H200_SHARED_MEMORY
+    assert r["stl"] == 0 and r["ldl"] == 0, f"register spills: {r}"
+    assert r["ws_regions"] == 1 and r["setmaxnreg"] > 0, f"no warp-specialized region with setmaxnreg: {r}"
+    # K = 128, BT = 64, BV = 64 or 32 (the instruction's N); a 64-row MMA issues one instruction per 16 of its
+    # reduction. The chain: K S0 (8), A X (4), S1 over 128 rows (2 x 4); the output warpgroup: Q K^T (8), Q S0 (8),
+    # P U (4).
+    assert r["wgmma"] == (8 + 4 + 8) + (8 + 8 + 4), r
+    # q and k boxes: rows of 128 16-bit elements, two 128-byte pieces each; the v box one.
+    assert r["tma"] == 5 and r["mbarrier"] > 0, r

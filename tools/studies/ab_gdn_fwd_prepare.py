@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [os.path.join(ROOT, "benchmarks"), ROOT]  # the benchmarks' helpers, the library
 
 from tools.studies import ab_modes  # noqa: E402
-from tools.studies.ab_modes import device_us, gdn_rows, with_env  # noqa: E402
+from tools.studies.ab_modes import gdn_rows, time_forward, with_env  # noqa: E402
 
 MODES = ("split", "fused")
 ENV = "DFLASH_KERNELS_GDN_FWD_PREPARE"
@@ -103,54 +103,22 @@ def _check(row, tensors, kwargs, s, device, dtype, do):
 
 def worker(mode, only, check, quick):
     """Rows of one mode (``ENV`` set by the parent), printed as ``ROW {json}`` lines."""
-    import torch
-    from bench_common import bench_ms, peak_mib
-
-    from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
-
     def fill(row, c):
-        def fwd():
-            with torch.no_grad():
-                return chunk_gated_delta_rule(*c.tensors, **c.kwargs)
-
-        def fwd_bwd():
-            return torch.autograd.grad(chunk_gated_delta_rule(*c.tensors, **c.kwargs)[0], c.tensors, c.do)
-
         if check:
             _check(row, c.tensors, c.kwargs, c.shape, c.device, c.dtype, c.do)
-        row["fwd_ms"] = bench_ms(fwd, quick, c.cuda)
-        row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, c.cuda)
-        row["peak_MiB"] = peak_mib(fwd_bwd, c.cuda)
-        if c.cuda:
-            us = device_us(fwd)
+        us = time_forward(row, c, quick)
+        if us:
             row["prep_us"] = sum(t for k, t in us.items() if k.startswith(PREP_KERNELS[mode]))
-            row["fwd_device_us"] = sum(us.values())
-            row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:8]}
 
     gdn_rows("gdn_fwd_prepare", mode, ENV, only, fill)
 
 
 def _table(rows):
-    base = {r["label"]: r for r in rows if r.get("impl") == "split" and isinstance(r.get("fwdbwd_ms"), float)}
-    lines = [f"{'shape':16s} {'mode':6s} {'fwd ms':>8s} {'vs split':>8s} {'fwd+bwd ms':>10s} {'vs split':>8s} "
-             f"{'prep us':>8s} {'peak MiB':>9s}  check"]
-    for r in rows:
-        if "error" in r or "fwdbwd_ms" not in r:
-            lines.append(f"{r.get('label', '-'):16s} {r.get('impl', '-'):6s} error: {r.get('error', '?')[:150]}")
-            continue
-        b = base.get(r["label"])
-        if b is not None:
-            r["fwd_speedup_vs_split"] = b["fwd_ms"] / r["fwd_ms"]
-            r["fwdbwd_speedup_vs_split"] = b["fwdbwd_ms"] / r["fwdbwd_ms"]
-        fwd = f"{r['fwd_speedup_vs_split']:.3f}x" if "fwd_speedup_vs_split" in r else "-"
-        both = f"{r['fwdbwd_speedup_vs_split']:.3f}x" if "fwdbwd_speedup_vs_split" in r else "-"
-        check = r.get("check", "")
-        if r.get("not_bitwise"):
-            check += f" (not bit for bit: {', '.join(r['not_bitwise'])})"
-        lines.append(f"{r['label']:16s} {r['impl']:6s} {r['fwd_ms']:8.3f} {fwd:>8s} {r['fwdbwd_ms']:10.3f} "
-                     f"{both:>8s} {r.get('prep_us', float('nan')):8.1f} {r.get('peak_MiB', float('nan')):9.1f}  "
-                     f"{check}")
-    return "\n".join(lines)
+    def check(r):
+        return r.get("check", "") + (f" (not bit for bit: {', '.join(r['not_bitwise'])})" if r.get("not_bitwise")
+                                     else "")
+
+    return ab_modes.speedup_table(rows, "split", [("prep us", "prep_us"), ("peak MiB", "peak_MiB")], check)
 
 
 def main(argv=None):

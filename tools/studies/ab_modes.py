@@ -1,10 +1,13 @@
-"""What the mode A/B studies share (ab_gdn_bwd_local.py, ab_gdn_fwd_prepare.py): a library switch read from an
-environment variable, each mode timed in a process of its own over ``benchmarks/bench_gdn.py``'s shape sets.
+"""What the mode A/B studies share (ab_gdn_bwd_local.py, ab_gdn_fwd_prepare.py, ab_gdn_fwd_gluon.py): a library
+switch read from an environment variable, each mode timed in a process of its own over ``benchmarks/bench_gdn.py``'s
+shape sets.
 
 - :func:`with_env`: run a function with the variable set to another mode (the worker's ``--check`` against the
   default mode, in the same process and on the same inputs).
 - :func:`device_us`: device microseconds per call by kernel name (torch.profiler).
 - :func:`gdn_rows`: a worker's loop over the GDN shapes (inputs, one row each, a shape's failure kept in its row).
+- :func:`time_forward`: the forward studies' timings of one shape.
+- :func:`speedup_table`: the forward studies' table (forward and forward + backward against the default mode).
 - :func:`main`: the parent's command line: ``--modes``, ``--shapes``, ``--check``, ``--quick``, ``--out``,
   ``--no-record``, ``--timeout`` and the hidden ``--worker``; one child process per mode, the rows printed as a
   table, written to ``--out`` and appended to ``benchmarks/results/ops.jsonl`` on a GPU.
@@ -72,6 +75,58 @@ def gdn_rows(op, mode, env, only, fill):
         print("ROW", json.dumps(row), flush=True)
         if cuda:
             torch.cuda.empty_cache()
+
+
+def time_forward(row, c, quick):
+    """The forward studies' timings of the op at case ``c`` (:func:`gdn_rows`): ``fwd_ms`` (under no_grad),
+    ``fwdbwd_ms`` (``torch.autograd.grad`` over the inputs), ``peak_MiB`` of the latter, and on a GPU
+    ``fwd_device_us`` with the forward's heaviest kernels (``kernels_us``). Returns the forward's device
+    microseconds by kernel (empty off the GPU)."""
+    import torch
+    from bench_common import bench_ms, peak_mib
+
+    from dflash_kernels.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    def fwd():
+        with torch.no_grad():
+            return chunk_gated_delta_rule(*c.tensors, **c.kwargs)
+
+    def fwd_bwd():
+        return torch.autograd.grad(chunk_gated_delta_rule(*c.tensors, **c.kwargs)[0], c.tensors, c.do)
+
+    row["fwd_ms"] = bench_ms(fwd, quick, c.cuda)
+    row["fwdbwd_ms"] = bench_ms(fwd_bwd, quick, c.cuda)
+    row["peak_MiB"] = peak_mib(fwd_bwd, c.cuda)
+    if not c.cuda:
+        return {}
+    us = device_us(fwd)
+    row["fwd_device_us"] = sum(us.values())
+    row["kernels_us"] = {k: round(t, 1) for k, t in sorted(us.items(), key=lambda x: -x[1])[:8]}
+    return us
+
+
+def speedup_table(rows, base, extra=(), check=None):
+    """The forward A/B studies' printed table: per row the forward's and the forward + backward's ms and their
+    speed-ups against mode ``base`` at the same shape (also stored in the row: ``fwd_speedup_vs_<base>``,
+    ``fwdbwd_speedup_vs_<base>``), the ``extra`` columns ``(header, key)`` (one decimal), and ``check(row)``
+    (default: the row's ``check``); a row with an error prints it instead."""
+    ref = {r["label"]: r for r in rows if r.get("impl") == base and isinstance(r.get("fwdbwd_ms"), float)}
+    vs = f"vs {base}"
+    keys = (f"fwd_speedup_vs_{base}", f"fwdbwd_speedup_vs_{base}")
+    lines = [f"{'shape':16s} {'mode':6s} {'fwd ms':>8s} {vs:>9s} {'fwd+bwd ms':>10s} {vs:>9s} "
+             + "".join(f"{h:>10s} " for h, _ in extra) + " check"]
+    for r in rows:
+        if "error" in r or "fwdbwd_ms" not in r:
+            lines.append(f"{r.get('label', '-'):16s} {r.get('impl', '-'):6s} error: {r.get('error', '?')[:150]}")
+            continue
+        b = ref.get(r["label"])
+        if b is not None:
+            r[keys[0]], r[keys[1]] = b["fwd_ms"] / r["fwd_ms"], b["fwdbwd_ms"] / r["fwdbwd_ms"]
+        fwd, both = (f"{r[k]:.3f}x" if k in r else "-" for k in keys)
+        cols = "".join(f"{r.get(k, float('nan')):10.1f} " for _, k in extra)
+        lines.append(f"{r['label']:16s} {r['impl']:6s} {r['fwd_ms']:8.3f} {fwd:>9s} {r['fwdbwd_ms']:10.3f} "
+                     f"{both:>9s} {cols} {(check or (lambda x: x.get('check', '')))(r)}")
+    return "\n".join(lines)
 
 
 def main(argv, *, module, op, modes, env, worker, table, doc, check_help):

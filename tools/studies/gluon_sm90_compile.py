@@ -1,7 +1,8 @@
 """Compile the warp-specialized Gluon attention kernels for sm_90 on the CPU: the dense forward
 (kernels_gluon_sm90.py), the DFlash-mask forward (kernels_gluon_sm90_dflash.py), the DFlash-mask backward's
 dk / dv and dq kernels (kernels_gluon_sm90_dflash_bwd.py) and the dense causal backward's dk / dv and dq kernels
-(kernels_gluon_sm90_causal_bwd.py, GQA 1 and 4), the backwards at D = 128 and 64, bf16 and fp16.
+(kernels_gluon_sm90_causal_bwd.py, GQA 1 and 4), the backwards at D = 128 and 64, bf16 and fp16; and the Gluon GDN
+forward (ops/gated_delta_rule/kernels_gluon_sm90_fwd.py) at K = 128, V = 128 and 64, bf16 and fp16.
 
     python -m tools.studies.gluon_sm90_compile [--dump DIR]
 
@@ -190,6 +191,41 @@ def compile_gluon_causal_bwd(D: int, kernel: str, G: int = 4, dtype=None):
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_gluon_gdn_fwd(dtype=None, V: int = 128, HK: int = 16, HV: int = 32, t_bad: bool = True,
+                          h0: bool = False, beta_mode: int = 0, state_v_first: bool = False, block_v: int = None):
+    """The compiled Gluon GDN forward (ops/gated_delta_rule/kernels_gluon_sm90_fwd.py) at K = 128, as its launcher
+    would launch it at bf16 (or ``dtype``) with ``block_v`` value columns per program (default its VBLOCK)."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from dflash_kernels.ops.gated_delta_rule import kernels_gluon_sm90_fwd as GF
+
+    dtype = dtype or torch.bfloat16
+    x = torch.empty(1, GF.CHUNK, 2, 128, dtype=dtype)
+    y = torch.empty(1, GF.CHUNK, 2, V, dtype=dtype)
+    ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+    fn = GF._gdn_fwd_ws_kernel
+    sig = {"q_desc": mangle_type(GF._descriptor(x, 128)), "k_desc": mangle_type(GF._descriptor(x, 128)),
+           "v_desc": mangle_type(GF._descriptor(y, block_v or GF.VBLOCK)), "o_ptr": ptr, "A_ptr": "*fp32", "gcum_ptr": "*fp32",
+           "beta_ptr": ptr, "t_bad_ptr": "*i32" if t_bad else "constexpr", "h0_ptr": "*fp32" if h0 else "constexpr",
+           "ht_ptr": "*fp32", "T": "i32", "NT": "i32", "scale": "fp32"}
+    constexprs = {"HK": HK, "HV": HV, "K": 128, "V": V, "BETA_MODE": beta_mode, "HAS_H0": h0, "HAS_T_BAD": t_bad,
+                  "STATE_V_FIRST": state_v_first, "CONSUMER_REGS": GF.CONSUMER_REGS,
+                  "PRODUCER_REGS": GF.PRODUCER_REGS}
+    if not t_bad:
+        constexprs["t_bad_ptr"] = None
+    if not h0:
+        constexprs["h0_ptr"] = None
+    sig.update({name: "constexpr" for name in constexprs})
+    sig = {name: sig[name] for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("o_ptr", "A_ptr", "gcum_ptr", "ht_ptr")}
+    return triton.compile(GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": GF.MAXNREG})
+
+
 def structure_counts(ptx: str, ttgir: str) -> dict:
     """How many of each instruction that shows the kernel's structure the PTX holds."""
     return {"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
@@ -205,7 +241,9 @@ def report(D: int, causal, dump: str = None, dtype=None, G: int = 4) -> dict:
     ``"dflash"`` for the DFlash-mask forward, ``"dflash_dkdv"`` / ``"dflash_dq"`` for the DFlash backward's
     kernels, ``"causal_dkdv"`` / ``"causal_dq"`` for the dense causal backward's (bf16, or ``dtype``; GQA ``G``
     for the backwards)."""
-    if causal == "dflash":
+    if causal in ("gdn_fwd", "gdn_fwd_bv32"):
+        compiled = compile_gluon_gdn_fwd(dtype, V=D, block_v=32 if causal.endswith("bv32") else None)
+    elif causal == "dflash":
         compiled = compile_gluon_dflash(D, dtype=dtype)
     elif causal in ("dflash_dkdv", "dflash_dq"):
         compiled = compile_gluon_dflash_bwd(D, causal.split("_")[1], G=G, dtype=dtype)
@@ -249,8 +287,16 @@ def main():
     # The causal backward at GQA 1 (the dense benchmark's heads) and 4: G is a constant of its item loop.
     builds += [(D, c, dt, g) for c in ("causal_dkdv", "causal_dq") for g in (1, 4) for D in (128, 64)
                for dt in (torch.bfloat16, torch.float16)]
+    # The GDN forward (K = 128; D here is V), Hk 16 / Hv 32.
+    builds += [(V, c, dt, 4) for c in ("gdn_fwd", "gdn_fwd_bv32") for V in (128, 64)
+               for dt in (torch.bfloat16, torch.float16)]
     for D, causal, dtype, g in builds:
-        if causal in ("dflash_dkdv", "dflash_dq", "causal_dkdv", "causal_dq"):
+        if str(causal).startswith("gdn_fwd"):
+            from dflash_kernels.ops.gated_delta_rule import kernels_gluon_sm90_fwd as GF
+
+            bv = 32 if causal.endswith("bv32") else GF.VBLOCK
+            name = f"GDN fwd V{D} {str(dtype).split('.')[-1]} BV{bv} S{GF.STAGES}"
+        elif causal in ("dflash_dkdv", "dflash_dq", "causal_dkdv", "causal_dq"):
             from dflash_kernels.ops.attention import kernels_gluon_sm90_dflash_bwd as GB
 
             cfg = (GB.dkdv_config if causal.endswith("dkdv") else GB.dq_config)(D)
@@ -258,7 +304,8 @@ def main():
         else:
             cfg = G.tile_config(D)
             tag = {False: "full", True: "causal", "dflash": "dflash G4"}[causal]
-        name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
+        if not str(causal).startswith("gdn_fwd"):
+            name = f"D{D} {tag} BN{cfg['BN']} S{cfg['NUM_STAGES']}"
         try:
             r = report(D, causal, args.dump, dtype, g)
         except Exception as e:  # noqa: BLE001 - a build the compiler rejects is a line, not a crash

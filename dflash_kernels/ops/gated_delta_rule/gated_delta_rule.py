@@ -22,6 +22,7 @@ from dflash_kernels.ops.gated_delta_rule.kernels_fwd import (gdn_fwd_output_kern
                                                              gdn_fwd_scan_states_kernel, gdn_fwd_solve_kernel,
                                                              gdn_fwd_wu_kernel, gdn_fwd_wu_narrow_kernel)
 from dflash_kernels.ops.gated_delta_rule.kernels_fwd_fused import gdn_fwd_prepare_kernel
+from dflash_kernels.ops.gated_delta_rule.kernels_gluon_sm90_fwd import gdn_fwd_gluon_sm90, gluon_forward_supports
 from dflash_kernels.ops.gated_delta_rule.kernels_l2norm import gdn_l2norm_bwd_kernel, gdn_l2norm_fwd_kernel
 from dflash_kernels.ops.gated_delta_rule.kernels_recurrent import gdn_recurrent_fwd_kernel
 from dflash_kernels.runtime import Op, alloc, bucket, cdiv, next_pow2, register_precompile, settings
@@ -122,7 +123,7 @@ def l2norm_bwd(x: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype,
     return dx
 
 
-def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, fused=False):
+def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, fused=False, wu=True):
     """The per-chunk WY prep: (A, gcum) unless given (the backward passes the forward's), then w and U;
     returns ``(A, gcum, w, u, t_bad)``. gate: (A_log, dt_bias or None) when g is the raw gate; beta_mode:
     1, 2 when beta holds logits. Without A the solve first finds t_bad [chunks, Hv] int32, per chunk and
@@ -130,7 +131,7 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, fuse
     (kernels_fwd.py's docstring: the rows from it on are read as 0, and the scan's outputs from it on are
     NaN); the backward's recompute (A given) reads every row, and t_bad is None. fused (without A only;
     ``DFLASH_KERNELS_GDN_FWD_PREPARE=fused``): one kernel does the solve and w/u (kernels_fwd_fused.py),
-    with the same results as the two."""
+    with the same results as the two. wu=False (the Gluon forward, without A): the solve only; w and u are None."""
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     N, n_chunks, cu, indices, offsets = layout
@@ -140,8 +141,10 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, fuse
         A = alloc.empty(B, T, Hv, BT, dtype=torch.float32, device=k.device)
         gcum = alloc.empty(B, T, Hv, dtype=torch.float32, device=k.device)
         t_bad = alloc.empty(n_chunks, Hv, dtype=torch.int32, device=k.device)
-    w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device)
-    u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device)
+    if not wu:
+        assert not load_a and not fused, "_prep: wu=False is the Gluon forward's solve only"
+    w = alloc.empty(B, T, Hv, K, dtype=k.dtype, device=k.device) if wu else None
+    u = alloc.empty(B, T, Hv, V, dtype=k.dtype, device=k.device) if wu else None
     if not load_a:
         A_log, dt_bias = gate if gate is not None else (None, None)
         if fused:
@@ -154,6 +157,8 @@ def _prep(k, v, g, beta, layout, A=None, gcum=None, gate=None, beta_mode=0, fuse
                                    row_stride(v), bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT,
                                    BK=_block(K), IS_VARLEN=cu is not None, GATE=gate is not None,
                                    HAS_DT_BIAS=dt_bias is not None, BETA_MODE=beta_mode)
+        if not wu:
+            return A, gcum, None, None, t_bad
     wu_kernel = gdn_fwd_wu_narrow_kernel if V <= 32 else gdn_fwd_wu_kernel  # kernels_fwd.py says why
     wu_kernel.of(k)((n_chunks, Hv), k, v, beta, gcum, A, t_bad, w, u, cu, indices, T, row_stride(v),
                     bucket=(bucket(n_chunks),), HK=Hk, HV=Hv, K=K, V=V, BT=BT, BK=_block(K),
@@ -240,11 +245,15 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
     B, T, Hk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     prepare = settings.gdn_fwd_prepare()  # DFLASH_KERNELS_GDN_FWD_PREPARE: a bad value fails before any launch
+    gluon = settings.gdn_fwd() == "gluon"  # DFLASH_KERNELS_GDN_FWD
     if use_qk_l2norm:
         q, _ = l2norm_fwd(q)
         k, _ = l2norm_fwd(k)
     layout = _layout(B, T, cu_seqlens, chunk_indices, chunk_offsets)
     gate = None if A_log is None else (A_log, dt_bias)
+    if gluon:
+        return _gluon_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, save_states, layout, gate,
+                              beta_mode, state_v_first)
     A, gcum, w, u, t_bad = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode, fused=prepare == "fused")
     o = alloc.empty(B, T, Hv, V, dtype=q.dtype, device=q.device)
     final_state = alloc.empty(layout[0], Hv, *((V, K) if state_v_first else (K, V)), dtype=torch.float32,
@@ -270,6 +279,27 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, initial_state, cu_seqlens, scal
               scale, state_v_first, t_bad)
     if not save_states:  # three tensors: a custom op's outputs must not alias each other
         w, h, v_new = (alloc.empty(0, dtype=q.dtype, device=q.device) for _ in range(3))
+    return o, final_state, A, gcum, w, h, v_new
+
+
+def _gluon_forward(q, k, v, g, beta, initial_state, cu_seqlens, scale, save_states, layout, gate, beta_mode,
+                   state_v_first):
+    """``DFLASH_KERNELS_GDN_FWD=gluon``: the solve kernel, then the warp-specialized Gluon kernel
+    (kernels_gluon_sm90_fwd.py) for the state scan, U and o; the forward's return values as
+    ``chunk_gated_delta_rule_fwd``'s (w, h, v_new empty: the backward recomputes them from A and G). Inputs the
+    kernel does not take raise ValueError: the switch asks for this kernel."""
+    K, V = q.shape[3], v.shape[3]
+    if not gluon_forward_supports(q, k, v, cu_seqlens, save_states):
+        cap = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+        raise ValueError(
+            f"DFLASH_KERNELS_GDN_FWD=gluon: the Gluon forward takes an sm_90 GPU, bf16 / fp16 q, k, v with K = 128, "
+            f"V a multiple of 64, 16-byte aligned rows, no cu_seqlens and no save_states; got device {q.device} "
+            f"(capability {cap}), dtypes {q.dtype} / {k.dtype} / {v.dtype}, K = {K}, V = {V}, cu_seqlens "
+            f"{'given' if cu_seqlens is not None else None}, save_states {save_states}")
+    A, gcum, _, _, t_bad = _prep(k, v, g, beta, layout, gate=gate, beta_mode=beta_mode, wu=False)
+    o, final_state = gdn_fwd_gluon_sm90(q, k, v, beta, gcum, A, t_bad, initial_state, scale, beta_mode,
+                                        state_v_first)
+    w, h, v_new = (alloc.empty(0, dtype=q.dtype, device=q.device) for _ in range(3))
     return o, final_state, A, gcum, w, h, v_new
 
 
