@@ -266,8 +266,8 @@ class TritonKernel:
 
         It returns the same information as Triton's specialization (dtype and 16-byte alignment of a
         tensor, i32/i64/u64 width and, unless ``do_not_specialize``, ``== 1`` and ``% 16 == 0`` of an
-        int) in plain attribute reads and comparisons, about a third of the cost of calling
-        ``native_specialize_impl`` per argument. It returns None when an argument's type differs
+        int; dtype, box and shared layout of a Gluon TMA descriptor) in plain attribute reads and comparisons,
+        about a third of the cost of calling ``native_specialize_impl`` per argument. It returns None when an argument's type differs
         from the pattern, and the caller falls back to the generic key. Returns None (no fast path)
         for argument types it does not know.
         """
@@ -283,6 +283,11 @@ class TritonKernel:
                 continue
             namespace[f"_T{i}"] = type(a)
             conds.append(f"type(a{i}) is _T{i}")
+            if _GluonDescriptor is not None and type(a) is _GluonDescriptor:
+                # What Triton specializes a Gluon TMA descriptor on (``tensordesc<dtype[block], layout>``),
+                # and its padding (which Triton reads at launch): shape, strides and base are launch values.
+                items += [f"a{i}.base.dtype", f"tuple(a{i}.block_shape)", f"a{i}.layout", f"a{i}.padding"]
+                continue
             if type(a) is int:
                 if name not in self._dns and i not in self._dns:
                     items += [f"a{i} == 1", f"a{i} & 15 == 0"]

@@ -681,6 +681,42 @@ def test_fast_key_matches_triton_specialization():
     assert kernel._make_fast_spec(with_param)(*args()) == fast(*args())
 
 
+def test_fast_key_of_gluon_descriptors_matches_triton_specialization():
+    # A Gluon launcher's arguments (TMA descriptors, tensors, ints, a float): the fast key exists and separates
+    # exactly the argument sets Triton compiles differently (dtype, box, layout), not those it does not (the
+    # tensor's shape, strides, base).
+    pytest.importorskip("triton.experimental.gluon")
+    from triton.experimental.gluon.language import NVMMASharedLayout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dflash_kernels.ops.gated_delta_rule.kernels_gluon_sm90_fwd import gdn_fwd_gluon_kernel as kernel
+    from dflash_kernels.runtime.tma import smem_layout
+
+    def desc(dtype=torch.bfloat16, T=128, H=2, box=(1, 64, 128), padding="zero", layout=None):
+        x = torch.empty(2, T, H, 128, dtype=dtype)
+        return TensorDescriptor(x, [2, T, H * 128], [x.stride(0), x.stride(1), 1], list(box),
+                                layout or smem_layout(box, dtype), padding)
+
+    o, f32, i32 = torch.empty(4, dtype=torch.bfloat16), torch.empty(4), torch.empty(4, dtype=torch.int32)
+
+    def args(q=None, v=None, T=128):
+        return (q or desc(), desc(), v or desc(box=(1, 64, 64)), o, f32, f32, o, i32, None, f32, T, 2, 0.1)
+
+    fast = kernel._make_fast_spec(args())
+    assert fast is not None and fast(*args()) is not None
+    variants = [args(), args(q=desc(T=4096, H=16)), args(q=desc(dtype=torch.float16)),
+                args(v=desc(box=(1, 64, 32))), args(v=desc(box=(1, 64, 64), layout=NVMMASharedLayout(64, 16, rank=3))),
+                args(q=desc(padding="nan")), args(T=129)]
+    for a in variants:
+        for b in variants:
+            if fast(*a) == fast(*b):  # never one key for two compilations
+                assert kernel._spec(*a) == kernel._spec(*b)
+    assert fast(*args()) == fast(*variants[1])  # another shape: the same compiled kernel, the same key
+    assert fast(*args()) != fast(*variants[2]) and fast(*args()) != fast(*variants[3])
+    assert fast(*args()) != fast(*variants[4])  # another shared layout for the same box
+    assert fast(*((o,) + args()[1:])) is None  # a tensor where a descriptor was: not answered
+
+
 def test_config_that_does_not_fit_falls_to_the_next(monkeypatch):
     """Tuning off: the first config runs unless it needs more shared memory than the GPU has (a
     config list written for every head size); then the next that fits, never an error."""
