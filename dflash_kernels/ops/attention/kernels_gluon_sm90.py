@@ -68,7 +68,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from dflash_kernels.runtime import Config, TritonKernel, alloc, bucket, cdiv
-from dflash_kernels.runtime.tma import smem_layout
 
 __all__ = ["attention_fwd_gluon_sm90", "attention_fwd_gluon_kernel"]
 
@@ -462,6 +461,16 @@ def tile_config(D: int) -> dict:
     causal kernel's and the DFlash kernel's two extra V slots); at D = 64 the stages are half as large and a
     third one fits."""
     return {"BN": 128, "NUM_STAGES": 2 if D == 128 else 3}
+
+
+def smem_layout(block_shape, torch_dtype):
+    """The NVMMA shared layout (128-byte swizzle for 64 or 128 16-bit elements per row) of a TMA box: what the
+    kernel's TMA copies and warpgroup MMAs read; made once per box and dtype (runtime/tma.py)."""
+    # Imported here, not at the top: a line added above the kernels would move them, and Triton's hash of a
+    # kernel (the shipped tuning's key) includes the line numbers of the functions it calls.
+    from dflash_kernels.runtime import tma
+
+    return tma.smem_layout(block_shape, torch_dtype)
 
 
 def descriptor(x: torch.Tensor, rows: int) -> TensorDescriptor:

@@ -117,11 +117,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from dflash_kernels.ops.attention import checks
 from dflash_kernels.ops.attention.kernels_gluon_sm90 import (CONSUMER_REGS, GLUON_CONFIGS, LOG2E, PRODUCER_REGS,
                                                              _init_ring, _load_kv, _tile_keys, _visible_values,
-                                                             descriptor, score_layout)
+                                                             descriptor, score_layout, smem_layout)
 from dflash_kernels.ops.attention.kernels_gluon_sm90_dflash import (_pair_program, check_gluon_dflash_mask,
                                                                     gluon_dflash_rows)
 from dflash_kernels.runtime import TritonKernel, alloc, bucket, cdiv
-from dflash_kernels.runtime.tma import smem_layout
 
 __all__ = ["attention_bwd_gluon_sm90_dflash", "dkdv_config", "dq_config"]
 
